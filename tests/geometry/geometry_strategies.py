@@ -40,7 +40,10 @@ PER_LAYER_NAMES = ("LBHNC", "LBNHC", "NHD", "HND")
 V028_PACKED_NAMES = (*PER_LAYER_NAMES, "BHLNC", "BLNHC")
 # NVFP4 needs each side's [H, N, C] contiguous: HND inside the page.
 NVFP4_NAMES = ("LBHNC", "HND", "BLHNC")
-SPLIT_LAYOUT_NAMES = {SPLIT_KV: ("NHD", "LHBNC"), SPLIT_KV_BLOCK_FIRST: ("NHD", "LBHNC")}
+# Legacy split K/V: NHD per layer; (B, 2, N, H, D) also cross layer as HPC_ATTN builds it.
+SPLIT_LAYOUT_NAMES = {SPLIT_KV: ("NHD", "LHBNC"), SPLIT_KV_BLOCK_FIRST: ("NHD", "LBHNC", "BLHNC")}
+# vLLM 0.28 MLA: per layer, or block-outermost cross layer (FlashMLA's layered order).
+V028_MLA_NAMES = (*PER_LAYER_NAMES, "BLHNC", "BLNHC")
 
 
 def _layout_names(contract: str, kind: str, kv_cache_dtype: str) -> tuple[str, ...]:
@@ -48,7 +51,7 @@ def _layout_names(contract: str, kind: str, kv_cache_dtype: str) -> tuple[str, .
     if kind in SPLIT_LAYOUT_NAMES:
         return SPLIT_LAYOUT_NAMES[kind]
     if kind == MLA:
-        return PER_LAYER_NAMES if contract == "0.28" else LAYOUT_NAMES
+        return V028_MLA_NAMES if contract == "0.28" else LAYOUT_NAMES
     names = V028_PACKED_NAMES if contract == "0.28" else LAYOUT_NAMES
     if quant is KVQuant.NVFP4:
         names = tuple(n for n in names if n in NVFP4_NAMES)
@@ -105,7 +108,7 @@ def _resolve(kind: str, layout_name: str) -> KVLayout:
     """The layout a name means for ``kind`` (legacy split K/V has one fixed layout each)."""
     if kind == SPLIT_KV:
         return KVLayout.LHBNC
-    if kind == SPLIT_KV_BLOCK_FIRST:
+    if kind == SPLIT_KV_BLOCK_FIRST and layout_name != "BLHNC":
         return KVLayout.LBHNC
     return KVLayout.parse(layout_name)
 
@@ -203,8 +206,8 @@ def geometries(
     kernel_block_size = draw(st.integers(1, 4))
     ratios = [1] if padded else [2, 4] if kernel_split else [1, 2, 4]
     ratio = draw(st.sampled_from(ratios))
-    unsplit = _build(**base, block_size=kernel_block_size * ratio)
-    if contract == "0.32" and ratio > 1 and not _is_dense(unsplit):
+    whole = _build(**base, block_size=kernel_block_size * ratio)
+    if contract == "0.32" and ratio > 1 and not _is_dense(whole):
         assert not kernel_split, f"{layout_name} left with an interleaved page"
         ratio = 1
     block_size = kernel_block_size * ratio
@@ -303,7 +306,7 @@ def byte_addresses(view: torch.Tensor, backing: torch.Tensor) -> torch.Tensor:
     elements = view.untyped_storage().nbytes() // esize
     index = torch.arange(elements, dtype=torch.int64)
     starts = torch.as_strided(index, view.shape, view.stride(), view.storage_offset())
-    first = starts.reshape(-1) * esize - backing.storage_offset()
+    first = starts.reshape(-1) * esize - int(backing.storage_offset())
     return (first[:, None] + torch.arange(esize)).reshape(-1)
 
 

@@ -1,4 +1,4 @@
-# ruff: noqa: RUF001  (Chinese text uses full-width punctuation on purpose)
+
 """The tiny-model builder: complete, deterministic, validated and cached."""
 
 from __future__ import annotations

@@ -63,9 +63,7 @@ def register(commands: Any) -> None:
     p.add_argument("--offset", type=_size, default=0, help="KVCacheTensor offset (bytes)")
     p.add_argument("--layer-stride", type=_size, help="KVCacheTensor layer_stride (bytes)")
     p.add_argument("--block-stride", type=_size, help="KVCacheTensor block_stride (bytes)")
-    p.add_argument(
-        "--page-size", type=_size, default=DEFAULT_PAGE_SIZE, help="mapping page (2M)"
-    )
+    p.add_argument("--page-size", type=_size, default=DEFAULT_PAGE_SIZE, help="mapping page (2M)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_explain)
 

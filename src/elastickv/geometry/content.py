@@ -67,7 +67,11 @@ _PER_TOKEN_HEAD = {
     KVQuant.INT4_PER_TOKEN_HEAD,
 }
 _FP8_NAMES = {"fp8", "fp8_e4m3", "fp8_e5m2"}
-KV_CACHE_DTYPES: tuple[str, ...] = ("auto", *sorted(_FP8_NAMES), *(q.value for q in list(KVQuant)[2:]))
+KV_CACHE_DTYPES: tuple[str, ...] = (
+    "auto",
+    *sorted(_FP8_NAMES),
+    *(q.value for q in list(KVQuant)[2:]),
+)
 
 
 @dataclass(frozen=True)

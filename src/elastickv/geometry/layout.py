@@ -62,7 +62,9 @@ class KVLayout(enum.Enum):
         try:
             return cls[key]
         except KeyError:
-            raise GeometryError("layout", f"unknown layout {name!r}", accepted=LAYOUT_NAMES) from None
+            raise GeometryError(
+                "layout", f"unknown layout {name!r}", accepted=LAYOUT_NAMES
+            ) from None
 
 
 _ALIASES = {"NHD": KVLayout.LBNHC, "HND": KVLayout.LBHNC}
@@ -101,7 +103,10 @@ def vllm028_layout(kv_layout: str, cross_layer: bool) -> KVLayout:
     """The layout vLLM 0.28 builds for a packed backend under ``NHD``/``HND``.
 
     Per-layer storage keeps the backend order; cross-layer storage prepends the layer axis
-    exactly as the backends' ``include_num_layers_dimension=True`` stride orders do.
+    exactly as the backends' ``include_num_layers_dimension=True`` stride orders do. This is
+    what the backends whose stride order follows ``VLLM_KV_CACHE_LAYOUT`` build (FlashAttention,
+    Triton, FlashInfer); backends without a stride order (CPU, ROCm AITER) are identity
+    (``LBHNC`` either way) and FlexAttention is always ``NHD``.
     """
     key = kv_layout.strip().upper()
     table = {

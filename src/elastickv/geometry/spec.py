@@ -24,7 +24,7 @@ from elastickv.geometry.content import (
     storage_dtype,
 )
 from elastickv.geometry.errors import GeometryError
-from elastickv.geometry.layout import AXIS_B, AXIS_C, AXIS_H, AXIS_L, AXIS_N, KVLayout
+from elastickv.geometry.layout import AXIS_B, AXIS_H, AXIS_L, AXIS_N, KVLayout
 
 ByteRange = tuple[int, int]  # [start, end) in bytes of the backing
 
@@ -78,6 +78,8 @@ _SPLIT_LAYOUTS = {
     AttentionKind.SPLIT_KV: KVLayout.LHBNC,
     AttentionKind.SPLIT_KV_BLOCK_FIRST: KVLayout.LBHNC,
 }
+# Cross-layer (B, L, 2, N, H, D): HPC_ATTN's layered stride order (1, 0, 2, 3, 4, 5) in 0.28.
+_SPLIT_CROSS_LAYOUTS = {AttentionKind.SPLIT_KV_BLOCK_FIRST: KVLayout.BLHNC}
 # What vLLM 0.28's stride orders produce for the packed shape, per layer and cross layer.
 _V028_PACKED_LAYOUTS = (KVLayout.LBHNC, KVLayout.LBNHC, KVLayout.BHLNC, KVLayout.BLNHC)
 # NVFP4 stores each side as "all data, then all scales", which needs [H, N, C] contiguous.
@@ -161,10 +163,13 @@ class KVCacheGeometry:
             name = layout.name if isinstance(layout, KVLayout) else layout.strip().upper()
             if name in ("NHD", required.name):
                 return required
+            cross = _SPLIT_CROSS_LAYOUTS.get(kind)
+            if cross is not None and name == cross.name:
+                return cross
             raise GeometryError(
                 "layout",
                 f"legacy split K/V {kind.value} is NHD only; got {name}",
-                ["NHD", required.name],
+                ["NHD", required.name, *([cross.name] if cross is not None else [])],
             )
         return KVLayout.parse(layout)
 
@@ -189,9 +194,13 @@ class KVCacheGeometry:
                 f"vLLM 0.28 backends never produce {layout.name}",
                 ["NHD", "HND", *(m.name for m in _V028_PACKED_LAYOUTS)],
             )
-        if kind is AttentionKind.MLA and not layout.is_layer_outermost:
+        if kind is AttentionKind.MLA and not layout.is_page_compact:
+            # Per layer, or cross layer (B, L, N, C) as FlashMLA/TritonMLA's layered
+            # stride order (1, 0, 2, 3) builds it.
             raise GeometryError(
-                "layout", "vLLM 0.28 MLA caches are per layer", ["LBHNC", "LBNHC"]
+                "layout",
+                "vLLM 0.28 MLA caches are per layer or block-outermost cross layer",
+                ["LBHNC", "LBNHC", "BLHNC", "BLNHC"],
             )
         if self.page_size_padded is not None and not layout.is_layer_outermost:
             raise GeometryError(
@@ -225,7 +234,9 @@ class KVCacheGeometry:
                     ["auto", "fp8"],
                 )
             if dk != dv:
-                raise GeometryError("head_size_v", "legacy split K/V needs head_size_v == head_size")
+                raise GeometryError(
+                    "head_size_v", "legacy split K/V needs head_size_v == head_size"
+                )
             plane = self.num_kv_heads * dk * esize
             return RowFormat(dt, plane, 0, plane, 0, plane, plane)
         if quant is KVQuant.NVFP4:
@@ -324,11 +335,14 @@ class KVCacheGeometry:
                 f"== block_size or a per-layer layout",
                 ["LBHNC", "LBNHC"],
             )
+        # The given values first, so a bad one is named rather than a stride derived from it.
         for name, value in (
             ("offset", self.offset),
+            ("page_size_padded", self.page_size_padded or 0),
+            ("layer_stride", self.layer_stride or 0),
+            ("block_stride", self.block_stride or 0),
             ("layer_stride", self.view_strides[AXIS_L]),
             ("block_stride", self.view_strides[AXIS_B]),
-            ("page_size_padded", self.page_size_padded or 0),
         ):
             align = SCALE_BYTES if self.quant.is_per_token_head else esize
             if value % align:
@@ -337,14 +351,19 @@ class KVCacheGeometry:
                 )
         # Non-overlap: ordered by stride, every axis must start past the extent of the
         # axes inside it. The named layouts satisfy this; stride overrides must too.
-        dims = sorted(
-            (s, n, a) for a, (s, n) in enumerate(zip(self.view_strides, self.view_shape)) if n > 1
-        )
+        pairs = enumerate(zip(self.view_strides, self.view_shape, strict=True))
+        dims = sorted((s, n, a) for a, (s, n) in pairs if n > 1)
         extent = 1
+        # Only overrides can overlap: when just one was given, it is the one to change.
+        given = [n for n in ("layer_stride", "block_stride") if getattr(self, n) is not None]
         for stride, size, axis in dims:
             if stride < extent:
                 raise GeometryError(
-                    "layer_stride" if axis == AXIS_L else "block_stride",
+                    given[0]
+                    if len(given) == 1
+                    else "layer_stride"
+                    if axis == AXIS_L
+                    else "block_stride",
                     f"axis {'LBHNC'[axis]} (stride {stride}) overlaps the axes inside it "
                     f"(extent {extent}): views would alias",
                 )
@@ -421,7 +440,9 @@ class KVCacheGeometry:
             return self._logical_strides
         return self._walk(self.view_shape, (layer, block // self.kernel_ratio))
 
-    def _walk(self, shape: tuple[int, ...], fixed: tuple[int | None, int | None]) -> tuple[int, ...]:
+    def _walk(
+        self, shape: tuple[int, ...], fixed: tuple[int | None, int | None]
+    ) -> tuple[int, ...]:
         """Dense strides in physical order, innermost first, padding each page if asked."""
         layout = self.layout
         assert isinstance(layout, KVLayout)
@@ -454,6 +475,10 @@ class KVCacheGeometry:
         pairs = list(zip(self.view_strides, self.view_shape, strict=True))
         span = max(stride * size for stride, size in pairs)
         last = sum((size - 1) * stride for stride, size in pairs) + 1
+        if self.layer_stride is not None or self.block_stride is not None:
+            # A KVCacheTensor sharing its blocks with others (vLLM 0.32 packs specs at
+            # offsets): its strides tile the backing from byte 0, not from ``offset``.
+            return max(self.offset + last, span)
         return self.offset + max(span, last)
 
     @property
@@ -508,6 +533,7 @@ class KVCacheGeometry:
 
     def block_pages(self, block: int, page_size: int) -> list[int]:
         """Indices of the ``page_size`` pages (of the backing) that ``block`` touches."""
+        _positive("page_size", page_size)
         pages: list[int] = []
         for start, end in self.block_byte_ranges(block):
             first, last = start // page_size, (end - 1) // page_size
@@ -531,4 +557,3 @@ def merge_ranges(ranges: list[ByteRange]) -> list[ByteRange]:
         else:
             merged.append((start, end))
     return merged
-

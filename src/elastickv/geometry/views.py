@@ -79,7 +79,9 @@ def _materialise(backing: torch.Tensor, view: LayerView) -> torch.Tensor:
     esize = torch.empty((), dtype=view.dtype).element_size()
     shape = (*view.shape[:-1], view.shape[-1] * esize)
     stride = (*(s * esize for s in view.stride[:-1]), 1)
-    raw = torch.as_strided(backing, shape, stride, backing.storage_offset() + view.storage_offset * esize)
+    raw = torch.as_strided(
+        backing, shape, stride, backing.storage_offset() + view.storage_offset * esize
+    )
     return raw.view(view.dtype)
 
 
@@ -89,12 +91,16 @@ def check_backing(geometry: KVCacheGeometry, backing: torch.Tensor) -> None:
         raise GeometryError(
             "backing", f"must be a flat 1-byte tensor, got {backing.dtype} {tuple(backing.shape)}"
         )
+    if backing.stride(0) != 1:
+        # as_strided ignores the backing's stride: views would cover bytes it skips.
+        raise GeometryError("backing", f"must be contiguous, got stride {backing.stride(0)}")
     if backing.numel() < geometry.backing_bytes:
         raise GeometryError(
             "backing",
             f"holds {backing.numel()} bytes; the geometry needs {geometry.backing_bytes}",
         )
-    align = geometry.row.element_size
+    # Per-token-head rows carry fp32 scales: their views need 4-byte aligned bytes.
+    align = SCALE_BYTES if geometry.quant.is_per_token_head else geometry.row.element_size
     if backing.storage_offset() % align:
         raise GeometryError("backing", f"storage offset is not {align}-byte aligned")
 
@@ -124,9 +130,7 @@ def split_kv(geometry: KVCacheGeometry, view: torch.Tensor) -> tuple[torch.Tenso
     return k, v
 
 
-def scale_views(
-    geometry: KVCacheGeometry, view: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_views(geometry: KVCacheGeometry, view: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 per-token-head scales of K and V, each ``(B, H, N)``, zero copy."""
     row = geometry.row
     if row.k_scale_offset is None or row.v_scale_offset is None:
@@ -157,7 +161,9 @@ def nvfp4_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s0, s1, s2, _ = side.stride()
     base = side.storage_offset()
     data = torch.as_strided(
-        side, (blocks, heads, tokens, data_w), (s0, s1 * data_w // full, s2 * data_w // full, 1),
+        side,
+        (blocks, heads, tokens, data_w),
+        (s0, s1 * data_w // full, s2 * data_w // full, 1),
         base,
     )
     scale = torch.as_strided(
@@ -167,4 +173,3 @@ def nvfp4_data_scale(side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         base + heads * tokens * data_w,
     )
     return data, scale
-

@@ -1,0 +1,329 @@
+"""Allocator hot path and capacity query vs vLLM's own ``BlockPool`` in one run; plus cold path.
+
+Hot path: pages already committed (the hot reserve is large enough to keep them), so
+``allocate`` + ``free`` is pure bookkeeping — the same work as vLLM 0.32's
+``BlockPool.get_new_blocks`` + ``free_blocks`` (prefix caching off, the cheaper baseline).
+Both sides are timed in adjacent rounds; ``ratio`` is the median per-round throughput ratio
+(ours / vLLM, so > 1 means faster than vLLM), which cancels drift from other load.
+Cold path: every allocation commits fresh pages on the real host backend and every free
+releases them; no vLLM counterpart (its pool is fixed).
+
+    python benchmarks/bench_alloc.py [--json]
+    PYTHONPATH=src .venvs/vllm-0.32/bin/python benchmarks/bench_alloc.py --json   # with vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from elastickv.alloc import BlockAllocator, Unlimited
+from elastickv.geometry import KVCacheGeometry
+from elastickv.vmm import HostBackend, HostRange
+
+CAPACITY_TARGET_US = 2.0
+THROUGHPUT_TARGET = 0.8
+MIXED_SIZES = (1, 2, 4, 8, 16, 3, 5, 12, 1, 1, 2, 6, 9, 1, 4, 16)
+
+
+@dataclass(frozen=True)
+class HotResult:
+    """One hot-path workload: µs per alloc+free pair on each side, throughput ratio."""
+
+    workload: str
+    blocks_per_request: float
+    ours_us_per_pair: float
+    vllm_us_per_pair: float | None
+    ratio: float | None
+    meets_target: bool | None
+
+
+@dataclass(frozen=True)
+class QueryResult:
+    query: str
+    us_per_call: float
+    vllm_us_per_call: float | None
+    meets_target: bool
+
+
+@dataclass(frozen=True)
+class ColdResult:
+    blocks_per_request: int
+    pages_per_request: int
+    us_per_pair: float
+    us_per_page: float
+
+
+Workload = Callable[[], None]
+
+
+def llama_like(num_blocks: int, layers: int) -> KVCacheGeometry:
+    """Llama-3-8B-shaped KV cache: 8 KV heads x 128, 16-token blocks, fp16, per-layer NHD."""
+    return KVCacheGeometry(
+        num_layers=layers,
+        num_blocks=num_blocks,
+        num_kv_heads=8,
+        block_size=16,
+        head_size=128,
+        layout="NHD",
+    )
+
+
+def load_block_pool() -> Any:
+    try:
+        from vllm.v1.core.block_pool import BlockPool
+    except Exception:
+        return None
+    return BlockPool
+
+
+def time_per_call(fn: Workload, iterations: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iterations):
+        fn()
+    return (time.perf_counter() - start) / iterations
+
+
+def paired(
+    ours: Workload, theirs: Workload | None, iterations: int, rounds: int
+) -> tuple[float, float | None, float | None]:
+    """Median seconds per call on each side and the median per-round ratio theirs/ours."""
+    mine: list[float] = []
+    other: list[float] = []
+    ratios: list[float] = []
+    # Warm-up: a short untimed round on each side (same calls, same sizes).
+    warmup = max(1, iterations // 10)
+    time_per_call(ours, warmup)
+    if theirs is not None:
+        time_per_call(theirs, warmup)
+    for index in range(rounds):
+        # Alternate which side runs first so neither always gets the warmer caches.
+        if theirs is not None and index % 2:
+            b = time_per_call(theirs, iterations)
+            a = time_per_call(ours, iterations)
+        else:
+            a = time_per_call(ours, iterations)
+            b = time_per_call(theirs, iterations) if theirs is not None else 0.0
+        mine.append(a)
+        if theirs is not None:
+            other.append(b)
+            ratios.append(b / a)
+    if theirs is None:
+        return statistics.median(mine), None, None
+    return statistics.median(mine), statistics.median(other), statistics.median(ratios)
+
+
+def single(allocate: Callable[[int], Any], free: Callable[[Any], None], n: int) -> Workload:
+    def run() -> None:
+        free(allocate(n))
+
+    return run
+
+
+def mixed(allocate: Callable[[int], Any], free: Callable[[Any], None]) -> Workload:
+    """A step of a batch: 16 requests of mixed sizes allocated, then freed in another order."""
+
+    def run() -> None:
+        held = [allocate(n) for n in MIXED_SIZES]
+        for blocks in held[::2]:
+            free(blocks)
+        for blocks in held[1::2]:
+            free(blocks)
+
+    return run
+
+
+def hot_path(allocator: BlockAllocator, pool: Any, iterations: int, rounds: int) -> list[HotResult]:
+    results = []
+    workloads: list[tuple[str, float, Workload, Workload | None]] = []
+    for n in (1, 4, 16, 64):
+        ours = single(allocator.allocate, allocator.free, n)
+        theirs = None if pool is None else single(pool.get_new_blocks, pool.free_blocks, n)
+        workloads.append((f"alloc+free {n}", float(n), ours, theirs))
+    ours = mixed(allocator.allocate, allocator.free)
+    theirs = None if pool is None else mixed(pool.get_new_blocks, pool.free_blocks)
+    workloads.append(("mixed batch of 16 requests", statistics.mean(MIXED_SIZES), ours, theirs))
+    for name, size, ours, theirs in workloads:
+        scale = len(MIXED_SIZES) if name.startswith("mixed") else 1
+        committed = allocator.stats().pages_committed
+        mine, other, ratio = paired(ours, theirs, max(1, iterations // scale), rounds)
+        if allocator.stats().pages_committed != committed:
+            raise RuntimeError(f"{name}: the hot path committed pages; raise max_hot_pages")
+        results.append(
+            HotResult(
+                workload=name,
+                blocks_per_request=size,
+                ours_us_per_pair=round(mine / scale * 1e6, 3),
+                vllm_us_per_pair=None if other is None else round(other / scale * 1e6, 3),
+                ratio=None if ratio is None else round(ratio, 3),
+                meets_target=None if ratio is None else ratio >= THROUGHPUT_TARGET,
+            )
+        )
+    return results
+
+
+def capacity_queries(allocator: BlockAllocator, pool: Any, iterations: int) -> list[QueryResult]:
+    def ours_free() -> None:
+        _ = allocator.num_free_blocks
+
+    def ours_can() -> None:
+        allocator.can_allocate(16)
+
+    def theirs_free() -> None:
+        pool.get_num_free_blocks()
+
+    results = []
+    baseline = None if pool is None else time_per_call(theirs_free, iterations) * 1e6
+    for name, fn in (("num_free_blocks", ours_free), ("can_allocate(16)", ours_can)):
+        us = statistics.median(time_per_call(fn, iterations) for _ in range(5)) * 1e6
+        results.append(
+            QueryResult(
+                query=name,
+                us_per_call=round(us, 3),
+                vllm_us_per_call=None if baseline is None else round(baseline, 3),
+                meets_target=us <= CAPACITY_TARGET_US,
+            )
+        )
+    return results
+
+
+def cold_path(vrange: HostRange, geometry: KVCacheGeometry, iterations: int) -> list[ColdResult]:
+    results = []
+    allocator = BlockAllocator(geometry, vrange, Unlimited(), min_hot_pages=0, max_hot_pages=0)
+    try:
+        per_slab = allocator.page_map.typical_slab_blocks
+        # Fill the null block's slab so every request needs fresh pages.
+        assert allocator.allocate(per_slab - 1) is not None
+        for n in (1, per_slab):
+            start = time.perf_counter()
+            pages = 0
+            for _ in range(iterations):
+                before = allocator.stats().pages_committed
+                blocks = allocator.allocate(n)
+                assert blocks is not None
+                pages += allocator.stats().pages_committed - before
+                allocator.free(blocks)
+            elapsed = time.perf_counter() - start
+            per_request = pages // iterations
+            results.append(
+                ColdResult(
+                    blocks_per_request=n,
+                    pages_per_request=per_request,
+                    us_per_pair=round(elapsed / iterations * 1e6, 1),
+                    us_per_page=round(elapsed / max(pages, 1) * 1e6, 1),
+                )
+            )
+    finally:
+        allocator.close()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=4096)
+    parser.add_argument("--iterations", type=int, default=4000)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cold-iterations", type=int, default=20)
+    args = parser.parse_args()
+
+    geometry = llama_like(args.blocks, args.layers)
+    block_pool_cls = load_block_pool()
+    pool = None if block_pool_cls is None else block_pool_cls(args.blocks, False, 16)
+    backend = HostBackend()
+    gc.disable()
+    try:
+        with backend.reserve(geometry.backing_bytes) as vrange:
+            allocator = BlockAllocator(geometry, vrange, Unlimited(), max_hot_pages=1 << 20)
+            warm = allocator.allocate(sum(MIXED_SIZES) + 64)
+            assert warm is not None
+            allocator.free(warm)  # pages stay committed: the hot path never commits
+            hot = hot_path(allocator, pool, args.iterations, args.rounds)
+            queries = capacity_queries(allocator, pool, args.iterations * 25)
+            hot_footprint = vrange.footprint_bytes()
+            allocator.close()
+        with backend.reserve(geometry.backing_bytes) as vrange:
+            cold = cold_path(vrange, geometry, args.cold_iterations)
+    finally:
+        gc.enable()
+
+    report = {
+        "geometry": {
+            "layers": args.layers,
+            "blocks": args.blocks,
+            "page_size": backend.page_size,
+            "blocks_per_slab": allocator.page_map.typical_slab_blocks,
+            "pages_per_slab": allocator.page_map.typical_slab_pages,
+        },
+        "vllm_baseline": "vllm.v1.core.block_pool.BlockPool" if pool is not None else None,
+        "baseline_note": None
+        if pool is not None
+        else "vLLM is not importable here: baseline unavailable, our side only",
+        "hot_path_footprint_bytes": hot_footprint,
+        "hot": [asdict(r) for r in hot],
+        "capacity_query": [asdict(r) for r in queries],
+        "cold": [asdict(r) for r in cold],
+        "targets": {
+            "hot_throughput_ratio_min": THROUGHPUT_TARGET,
+            "capacity_query_us_max": CAPACITY_TARGET_US,
+        },
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_tables(report)
+    return 0
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if report["baseline_note"]:
+        console.print(f"[yellow]{report['baseline_note']}[/]")
+    hot = Table(title="hot path (pages committed): alloc+free, µs per pair")
+    for column in ("workload", "ours", "vLLM BlockPool", "ratio (thr.)", "≥ 0.8"):
+        hot.add_column(column)
+    for r in report["hot"]:
+        hot.add_row(
+            r["workload"],
+            f"{r['ours_us_per_pair']:.2f}",
+            "-" if r["vllm_us_per_pair"] is None else f"{r['vllm_us_per_pair']:.2f}",
+            "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+            "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "no"),
+        )
+    console.print(hot)
+    query = Table(title="capacity query, µs per call")
+    for column in ("query", "ours", "vLLM get_num_free_blocks", "≤ 2 µs"):
+        query.add_column(column)
+    for r in report["capacity_query"]:
+        query.add_row(
+            r["query"],
+            f"{r['us_per_call']:.3f}",
+            "-" if r["vllm_us_per_call"] is None else f"{r['vllm_us_per_call']:.3f}",
+            "yes" if r["meets_target"] else "no",
+        )
+    console.print(query)
+    cold = Table(title="cold path (commit + release included)")
+    for column in ("blocks/request", "pages/request", "µs per pair", "µs per page"):
+        cold.add_column(column)
+    for r in report["cold"]:
+        cold.add_row(
+            str(r["blocks_per_request"]),
+            str(r["pages_per_request"]),
+            f"{r['us_per_pair']:.1f}",
+            f"{r['us_per_page']:.1f}",
+        )
+    console.print(cold)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

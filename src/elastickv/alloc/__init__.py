@@ -1,0 +1,17 @@
+"""Elastic block allocation: blocks inside pages, pages committed on demand under a policy."""
+
+from elastickv.alloc.allocator import NULL_BLOCK, AllocatorStats, BlockAllocator
+from elastickv.alloc.pagemap import PageMap
+from elastickv.alloc.policy import CapacityPolicy, FixedBudget, Unlimited
+from elastickv.alloc.precommit import PrecommitThread
+
+__all__ = [
+    "NULL_BLOCK",
+    "AllocatorStats",
+    "BlockAllocator",
+    "CapacityPolicy",
+    "FixedBudget",
+    "PageMap",
+    "PrecommitThread",
+    "Unlimited",
+]

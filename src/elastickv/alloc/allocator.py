@@ -1,0 +1,693 @@
+"""Blocks inside pages: commit a page when a block on it is first needed, release it when the
+last block on it is freed (beyond a bounded hot reserve).
+
+Placement works on slabs (blocks sharing one page set, see :mod:`elastickv.alloc.pagemap`).
+A slab is *warm* when all its pages are committed and *cold* otherwise; a slab with a live
+block is always warm. A request is served from warm slabs when it can be (best fit: the
+fullest slab that holds the whole request, else the largest slabs first), so requests stay on
+few pages and nearly empty slabs drain whole; only the remainder goes to cold slabs, those
+missing the fewest pages first. Warm slabs sit in buckets by free count with a bitmask of
+non-empty buckets, so the common allocation is a handful of O(1) steps.
+
+Every state change happens under one lock, in three phases for a growing allocation: plan
+(read only), admit + commit (the only steps that can fail; rolled back completely), apply.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from itertools import groupby
+from types import TracebackType
+from typing import TYPE_CHECKING, Self
+
+from elastickv.alloc.pagemap import PageMap
+from elastickv.alloc.policy import CapacityPolicy, Unlimited
+from elastickv.vmm.errors import CommitError, ReleaseError
+
+if TYPE_CHECKING:
+    from elastickv.alloc.precommit import PrecommitThread
+    from elastickv.geometry import KVCacheGeometry
+    from elastickv.vmm.base import VirtualRange
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A consistent snapshot of an allocator's state and counters."""
+
+    num_blocks: int
+    usable_blocks: int
+    live_blocks: int
+    free_blocks: int
+    committed_pages: int
+    hot_pages: int
+    page_size: int
+    allocations: int
+    refusals: int
+    frees: int
+    pages_committed: int
+    pages_released: int
+    rollbacks: int
+    last_error: str | None
+
+    @property
+    def committed_bytes(self) -> int:
+        return self.committed_pages * self.page_size
+
+
+class BlockAllocator:
+    """Elastic block allocator over one geometry laid out in one virtual range.
+
+    ``allocate(n)`` returns ``n`` block ids or ``None`` ("not now": too few free blocks, the
+    policy refused the bytes, or the commit failed — in every case nothing changed).
+    ``free`` raises ``ValueError`` for a block that is not live (and then frees nothing).
+    """
+
+    def __init__(
+        self,
+        geometry: KVCacheGeometry,
+        vmm_range: VirtualRange,
+        policy: CapacityPolicy | None = None,
+        *,
+        min_hot_pages: int = 0,
+        max_hot_pages: int | None = None,
+        reserve_null_block: bool = True,
+        background_precommit: bool = False,
+        page_map: PageMap | None = None,
+    ) -> None:
+        page_size = vmm_range.page_size
+        if geometry.backing_bytes > vmm_range.size_bytes:
+            raise ValueError(
+                f"the geometry needs {geometry.backing_bytes} bytes but the range holds "
+                f"{vmm_range.size_bytes}; reserve a larger range"
+            )
+        if max_hot_pages is None:
+            max_hot_pages = max(min_hot_pages, 0)
+        if not 0 <= min_hot_pages <= max_hot_pages:
+            raise ValueError(
+                f"need 0 <= min_hot_pages <= max_hot_pages, got {min_hot_pages}, {max_hot_pages}"
+            )
+        pmap = page_map if page_map is not None else PageMap(geometry, page_size)
+        if pmap.page_size != page_size or pmap.num_blocks != geometry.num_blocks:
+            raise ValueError("page_map was built for another geometry or page size")
+        self.geometry = geometry
+        self.page_map = pmap
+        self._range = vmm_range
+        self._policy: CapacityPolicy = policy if policy is not None else Unlimited()
+        self._page_size = page_size
+        self._min_hot = min_hot_pages
+        self._max_hot = max_hot_pages
+        self._lock = threading.Lock()
+        self._closed = False
+
+        num_slabs = pmap.num_slabs
+        self._block_slab = pmap.block_slab
+        self._slab_pages = pmap.slab_pages
+        self._page_slabs = pmap.page_slabs
+        self._free: list[list[int]] = [list(reversed(b)) for b in pmap.slab_blocks]
+        self._slab_live = [0] * num_slabs
+        self._missing = [len(p) for p in pmap.slab_pages]
+        self._page_users = [0] * pmap.num_pages
+        self._committed = bytearray(pmap.num_pages)
+        self._num_committed = 0
+        self._touched_pages = sum(1 for slabs in pmap.page_slabs if slabs)
+        # Slabs that are runs of consecutive block ids: a set of blocks lies in one slab iff
+        # its smallest and largest do.
+        self._contiguous_slabs = all(b[-1] - b[0] == len(b) - 1 for b in pmap.slab_blocks)
+        self._hot: set[int] = set()  # committed pages under no live block
+        # Pages only one slab touches need no per-page count: they are in use exactly while
+        # their slab has a live block, so they move in and out of the hot set in bulk.
+        self._own_pages = tuple(
+            tuple(p for p in pages if len(pmap.page_slabs[p]) == 1) for pages in pmap.slab_pages
+        )
+        self._shared_pages = tuple(
+            tuple(p for p in pages if len(pmap.page_slabs[p]) > 1) for pages in pmap.slab_pages
+        )
+        self._live: set[int] = set()
+        self._limit = geometry.num_blocks
+        widest = max(len(b) for b in pmap.slab_blocks)
+        self._warm: list[dict[int, None]] = [{} for _ in range(widest + 1)]
+        self._warm_mask = 0
+        deepest = max(len(p) for p in pmap.slab_pages)
+        self._cold: list[dict[int, None]] = [{} for _ in range(deepest + 1)]
+        self._cold_free = 0
+        self._warm_free = 0
+        self._allocations = self._refusals = self._frees = 0
+        self._pages_committed = self._pages_released = self._rollbacks = 0
+        self._last_error: str | None = None
+        self._null = NULL_BLOCK if reserve_null_block else None
+        self._precommit: PrecommitThread | None = None
+
+        if self._null is not None:
+            self._free[self._block_slab[self._null]].remove(self._null)
+        for slab in range(num_slabs):
+            self._link(slab)
+        if self._null is not None:
+            slab = self._block_slab[self._null]
+            if not self._commit_pages(set(self._slab_pages[slab])):
+                raise CommitError(
+                    "cannot commit the null block's pages: "
+                    f"{self._last_error or 'the capacity policy refused them'}"
+                )
+            self._first_live(slab)
+            self._slab_live[slab] = 1
+        if background_precommit:
+            from elastickv.alloc.precommit import PrecommitThread
+
+            self._precommit = PrecommitThread(self)
+            self._precommit.start()
+        elif min_hot_pages:
+            self.precommit()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free usable blocks (index capacity; physical capacity is the policy's). O(1)."""
+        return self._warm_free + self._cold_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self._limit
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def policy(self) -> CapacityPolicy:
+        return self._policy
+
+    @property
+    def vmm_range(self) -> VirtualRange:
+        return self._range
+
+    @property
+    def min_hot_pages(self) -> int:
+        return self._min_hot
+
+    @property
+    def max_hot_pages(self) -> int:
+        return self._max_hot
+
+    def can_allocate(self, n: int) -> bool:
+        """O(1) answer to "would ``allocate(n)`` succeed now?".
+
+        Exact when the request fits in committed pages; otherwise it assumes the remainder
+        needs whole typical slabs (capped by the pages not yet committed), which is exact for
+        the usual layouts (disjoint, equal-sized slabs) and for a request of every free block,
+        and conservative in between for layouts whose blocks straddle pages.
+        """
+        if n <= self._warm_free:
+            return True
+        if n > self._warm_free + self._cold_free:
+            return False
+        pmap = self.page_map
+        slabs = -(-(n - self._warm_free) // pmap.typical_slab_blocks)
+        pages = min(slabs * pmap.typical_slab_pages, self._touched_pages - self._num_committed)
+        return self._policy.available_bytes() >= pages * self._page_size
+
+    def is_live(self, block: int) -> bool:
+        return block in self._live
+
+    def live_blocks(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._live)
+
+    def committed_pages(self) -> frozenset[int]:
+        """Pages this allocator holds committed (its own view; the range's must agree)."""
+        with self._lock:
+            return frozenset(i for i, c in enumerate(self._committed) if c)
+
+    def hot_pages(self) -> frozenset[int]:
+        with self._lock:
+            return frozenset(self._hot)
+
+    def null_block_pages(self) -> frozenset[int]:
+        if self._null is None:
+            return frozenset()
+        return frozenset(self.page_map.pages_of_block(self._null))
+
+    def stats(self) -> AllocatorStats:
+        with self._lock:
+            return AllocatorStats(
+                num_blocks=self.page_map.num_blocks,
+                usable_blocks=self._limit,
+                live_blocks=len(self._live),
+                free_blocks=self._warm_free + self._cold_free,
+                committed_pages=sum(self._committed),
+                hot_pages=len(self._hot),
+                page_size=self._page_size,
+                allocations=self._allocations,
+                refusals=self._refusals,
+                frees=self._frees,
+                pages_committed=self._pages_committed,
+                pages_released=self._pages_released,
+                rollbacks=self._rollbacks,
+                last_error=self._last_error,
+            )
+
+    # -- allocation ---------------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` free blocks, all backed by committed pages, or ``None`` if not possible now."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            if 0 < n <= self._warm_free:
+                mask = self._warm_mask
+                wider = mask >> n
+                if not wider:
+                    blocks = self._take_warm(n)
+                else:
+                    # Fast path: the fullest warm slab that holds the whole request.
+                    size = n + (wider & -wider).bit_length() - 1
+                    bucket = self._warm[size]
+                    slab = bucket.popitem()[0]
+                    if not bucket:
+                        mask ^= 1 << size
+                    free = self._free[slab]
+                    blocks = free[-n:]
+                    del free[-n:]
+                    if size != n:
+                        self._warm[size - n][slab] = None
+                        mask |= 1 << (size - n)
+                    self._warm_mask = mask
+                    self._warm_free -= n
+                    live = self._slab_live
+                    if not live[slab]:
+                        self._first_live(slab)
+                    live[slab] += n
+                    self._live.update(blocks)
+            else:
+                grown = self._allocate_slow(n)
+                if grown is None:
+                    return None
+                blocks = grown
+            self._allocations += 1
+            if self._precommit is not None and len(self._hot) < self._min_hot:
+                self._precommit.wake()
+            return blocks
+        finally:
+            lock.release()
+
+    def _allocate_slow(self, n: int) -> list[int] | None:
+        if n <= 0:
+            if n < 0:
+                raise ValueError(f"cannot allocate {n} blocks")
+            return []
+        if self._closed:
+            raise RuntimeError("the allocator is closed")
+        if n > self._warm_free + self._cold_free:
+            self._refusals += 1
+            return None
+        blocks = self._allocate_cold(n)
+        if blocks is None:
+            self._refusals += 1
+        return blocks
+
+    def _take_warm(self, n: int) -> list[int]:
+        """Take ``n <= warm_free`` blocks from warm slabs: best fit, else largest first."""
+        out: list[int] = []
+        remaining = n
+        while remaining:
+            mask = self._warm_mask
+            wider = mask >> remaining
+            fit = remaining + (wider & -wider).bit_length() - 1
+            size = fit if wider else mask.bit_length() - 1
+            slab = next(reversed(self._warm[size]))
+            out.extend(self._take(slab, min(size, remaining)))
+            remaining -= min(size, remaining)
+        return out
+
+    def _allocate_cold(self, n: int) -> list[int] | None:
+        """Serve ``n > warm_free`` blocks. Either every warm block plus cold slabs for the
+        rest, or, when that commits no fewer pages, cold slabs alone (the request then sits
+        on fewer slabs and the warm scraps stay for smaller requests)."""
+        plan, pages = self._plan_cold(n - self._warm_free)
+        if self._warm_free and n <= self._cold_free:
+            alone, alone_pages = self._plan_cold(n)
+            if len(alone_pages) <= len(pages):
+                plan, pages = alone, alone_pages
+        if not self._commit_pages(pages):
+            return None
+        out: list[int] = []
+        for slab, take in plan:
+            out.extend(self._take(slab, take))
+        rest = n - len(out)
+        if rest:
+            out.extend(self._take_warm(rest))
+        return out
+
+    def _plan_cold(self, need: int) -> tuple[list[tuple[int, int]], set[int]]:
+        """Cold slabs (fewest missing pages first) holding ``need`` blocks, and the pages to
+        commit for them. Read only."""
+        plan: list[tuple[int, int]] = []
+        pages: set[int] = set()
+        committed = self._committed
+        for bucket in self._cold[1:]:
+            for slab in bucket:
+                take = min(len(self._free[slab]), need)
+                plan.append((slab, take))
+                pages.update(p for p in self._slab_pages[slab] if not committed[p])
+                need -= take
+                if not need:
+                    return plan, pages
+        raise AssertionError("free-block counters disagree with the slabs")
+
+    def _take(self, slab: int, k: int) -> list[int]:
+        self._unlink(slab)
+        blocks = self._free[slab]
+        taken = blocks[-k:]
+        del blocks[-k:]
+        if not self._slab_live[slab]:
+            self._first_live(slab)
+        self._slab_live[slab] += k
+        self._live.update(taken)
+        self._link(slab)
+        return taken
+
+    def _first_live(self, slab: int) -> None:
+        hot = self._hot
+        hot.difference_update(self._own_pages[slab])
+        users = self._page_users
+        for page in self._shared_pages[slab]:
+            users[page] += 1
+            if users[page] == 1:
+                hot.remove(page)
+
+    # -- free ---------------------------------------------------------------------------------
+
+    def free(self, blocks: Collection[int]) -> None:
+        """Return live blocks; pages whose last block left join the hot reserve (up to its max)
+        and are released beyond it. Raises ``ValueError`` (freeing nothing) if any block is
+        not live or repeats."""
+        lock = self._lock
+        lock.acquire()
+        try:
+            live = self._live
+            slab_of = self._block_slab.__getitem__
+            run: Collection[int] = blocks
+            if len(blocks) == 1:
+                (top,) = blocks
+                try:
+                    live.remove(top)
+                except KeyError:
+                    raise ValueError(f"cannot free block {top}: it is not live") from None
+                slab = slab_of(top)
+            else:
+                run = unique = set(blocks)
+                if len(unique) != len(blocks) or not unique <= live:
+                    bad = sorted(unique - live) or "repeated blocks"
+                    raise ValueError(f"cannot free blocks that are not live: {bad}")
+                live -= unique
+                top = max(unique)
+                slab = slab_of(top)
+                if not (self._contiguous_slabs and slab == slab_of(min(unique))):
+                    # Blocks usually come back in the slab runs they were handed out in; a
+                    # slab that appears in several runs is simply returned to more than once.
+                    for group_slab, group in groupby(blocks, key=slab_of):
+                        self._return_blocks(group_slab, list(group))
+                    slab = -1
+            if slab >= 0:
+                # One slab (the common case): :meth:`_return_blocks`, inlined.
+                free = self._free[slab]
+                before = len(free)
+                if top < self._limit:
+                    free.extend(run)
+                else:
+                    free.extend(b for b in run if b < self._limit)
+                after = len(free)
+                if after != before:
+                    warm = self._warm
+                    mask = self._warm_mask
+                    if before:
+                        bucket = warm[before]
+                        del bucket[slab]
+                        if not bucket:
+                            mask ^= 1 << before
+                    warm[after][slab] = None
+                    self._warm_mask = mask | 1 << after
+                    self._warm_free += after - before
+                slab_live = self._slab_live
+                slab_live[slab] -= len(run)
+                if not slab_live[slab]:
+                    self._last_live_gone(slab)
+            self._frees += 1
+            if len(self._hot) > self._max_hot:
+                # A failed release leaves its pages hot and is recorded in ``last_error``;
+                # the blocks are freed either way, so the caller is not interrupted.
+                with contextlib.suppress(ReleaseError):
+                    self._shrink_hot(self._max_hot)
+            elif self._precommit is not None and len(self._hot) < self._min_hot:
+                self._precommit.wake()
+        finally:
+            lock.release()
+
+    def _return_blocks(self, slab: int, blocks: Collection[int]) -> None:
+        """Put freed blocks of one live slab back (a live slab is warm: no missing pages)."""
+        free = self._free[slab]
+        before = len(free)
+        if max(blocks) < self._limit:
+            free.extend(blocks)
+        else:
+            free.extend(b for b in blocks if b < self._limit)
+        after = len(free)
+        warm = self._warm
+        if before:
+            bucket = warm[before]
+            del bucket[slab]
+            if not bucket:
+                self._warm_mask &= ~(1 << before)
+        if after:
+            warm[after][slab] = None
+            self._warm_mask |= 1 << after
+        self._warm_free += after - before
+        self._slab_live[slab] -= len(blocks)
+        if not self._slab_live[slab]:
+            self._last_live_gone(slab)
+
+    def _last_live_gone(self, slab: int) -> None:
+        hot = self._hot
+        hot.update(self._own_pages[slab])
+        users = self._page_users
+        for page in self._shared_pages[slab]:
+            users[page] -= 1
+            if not users[page]:
+                hot.add(page)
+
+    # -- capacity management ------------------------------------------------------------------
+
+    def resize(self, num_usable_blocks: int) -> None:
+        """Make blocks ``[0, num_usable_blocks)`` allocatable. Shrinking is lazy: live blocks
+        above the limit stay valid and simply do not come back when freed."""
+        if not 1 <= num_usable_blocks <= self.page_map.num_blocks:
+            raise ValueError(
+                f"num_usable_blocks must be in [1, {self.page_map.num_blocks}], "
+                f"got {num_usable_blocks}"
+            )
+        with self._lock:
+            old = self._limit
+            self._limit = num_usable_blocks
+            if num_usable_blocks < old:
+                for slab in sorted({self._block_slab[b] for b in range(num_usable_blocks, old)}):
+                    self._unlink(slab)
+                    self._free[slab] = [b for b in self._free[slab] if b < num_usable_blocks]
+                    self._link(slab)
+            else:
+                added: dict[int, list[int]] = {}
+                for block in range(old, num_usable_blocks):
+                    if block not in self._live and block != self._null:
+                        added.setdefault(self._block_slab[block], []).append(block)
+                for slab, items in added.items():
+                    self._unlink(slab)
+                    self._free[slab].extend(reversed(items))
+                    self._link(slab)
+
+    def set_hot_reserve(self, min_hot_pages: int, max_hot_pages: int) -> None:
+        if not 0 <= min_hot_pages <= max_hot_pages:
+            raise ValueError("need 0 <= min_hot_pages <= max_hot_pages")
+        with self._lock:
+            self._min_hot, self._max_hot = min_hot_pages, max_hot_pages
+            if len(self._hot) > max_hot_pages:
+                self._shrink_hot(max_hot_pages)
+        if self._precommit is not None:
+            self._precommit.wake()
+
+    def trim(self, keep_pages: int = 0) -> int:
+        """Release hot-reserve pages down to ``keep_pages``; returns how many were released."""
+        with self._lock:
+            return self._shrink_hot(keep_pages)
+
+    def precommit(self) -> int:
+        """Commit whole cold slabs until the hot reserve reaches ``min_hot_pages`` (never past
+        ``max_hot_pages``); returns the pages committed. The background thread calls this."""
+        done = 0
+        with self._lock:
+            while not self._closed and len(self._hot) < self._min_hot:
+                slab = self._next_cold_slab()
+                if slab is None:
+                    break
+                pages = {p for p in self._slab_pages[slab] if not self._committed[p]}
+                if len(self._hot) + len(pages) > self._max_hot:
+                    break
+                if not self._commit_pages(pages):
+                    break
+                done += len(pages)
+        return done
+
+    def _next_cold_slab(self) -> int | None:
+        for bucket in self._cold[1:]:
+            for slab in bucket:
+                return slab
+        return None
+
+    # -- page commit / release ----------------------------------------------------------------
+
+    def _commit_pages(self, pages: set[int]) -> bool:
+        """Admit and commit ``pages`` (all uncommitted); on any failure nothing changes.
+        New pages start hot (no live block yet)."""
+        if not pages:
+            return True
+        nbytes = len(pages) * self._page_size
+        if not self._policy.try_admit(nbytes):
+            return False
+        try:
+            self._range.commit(sorted(pages))
+        except BaseException as exc:
+            self._roll_back_commit(pages, nbytes, exc)
+            if isinstance(exc, CommitError):
+                return False
+            raise
+        self._pages_committed += len(pages)
+        self._mark(pages, committed=True)
+        return True
+
+    def _roll_back_commit(self, pages: set[int], nbytes: int, cause: BaseException) -> None:
+        """Undo a failed commit: release any page the range still reports committed (a
+        backend should leave none), then return the admitted bytes."""
+        self._rollbacks += 1
+        self._last_error = str(cause)
+        stray = sorted(p for p in pages if self._range.is_committed(p))
+        if stray:
+            try:
+                self._range.release(stray)
+            except ReleaseError as exc:
+                cause.add_note(f"rollback could not release pages {stray}: {exc}")
+                kept = {p for p in stray if self._range.is_committed(p)}
+                self._pages_committed += len(kept)
+                self._mark(kept, committed=True)
+                nbytes -= len(kept) * self._page_size
+        self._policy.release(nbytes)
+
+    def _shrink_hot(self, keep: int) -> int:
+        excess = len(self._hot) - max(keep, 0)
+        if excess <= 0:
+            return 0
+        hot = self._hot
+        pages = [hot.pop() for _ in range(excess)]
+        try:
+            self._range.release(sorted(pages))
+        except ReleaseError as exc:
+            self._last_error = str(exc)
+            still = {p for p in pages if self._range.is_committed(p)}
+            for page in still:
+                hot.add(page)
+            gone = set(pages) - still
+            self._after_release(gone)
+            raise
+        self._after_release(set(pages))
+        return len(pages)
+
+    def _after_release(self, pages: set[int]) -> None:
+        if not pages:
+            return
+        self._policy.release(len(pages) * self._page_size)
+        self._pages_released += len(pages)
+        self._mark(pages, committed=False)
+
+    def _mark(self, pages: set[int], *, committed: bool) -> None:
+        self._num_committed += len(pages) if committed else -len(pages)
+        touched: dict[int, int] = {}
+        for page in pages:
+            self._committed[page] = committed
+            if committed:
+                self._hot.add(page)
+            for slab in self._page_slabs[page]:
+                touched[slab] = touched.get(slab, 0) + 1
+        for slab, count in touched.items():
+            self._unlink(slab)
+            self._missing[slab] += -count if committed else count
+            self._link(slab)
+
+    # -- slab buckets -------------------------------------------------------------------------
+
+    def _link(self, slab: int) -> None:
+        free = len(self._free[slab])
+        if not free:
+            return
+        missing = self._missing[slab]
+        if missing:
+            self._cold[missing][slab] = None
+            self._cold_free += free
+        else:
+            self._warm[free][slab] = None
+            self._warm_mask |= 1 << free
+            self._warm_free += free
+
+    def _unlink(self, slab: int) -> None:
+        free = len(self._free[slab])
+        if not free:
+            return
+        missing = self._missing[slab]
+        if missing:
+            del self._cold[missing][slab]
+            self._cold_free -= free
+        else:
+            bucket = self._warm[free]
+            del bucket[slab]
+            if not bucket:
+                self._warm_mask &= ~(1 << free)
+            self._warm_free -= free
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the background thread and release every page this allocator committed
+        (live blocks included: the caller is done with the cache). Idempotent."""
+        if self._precommit is not None:
+            self._precommit.stop()
+            self._precommit = None
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pages = {i for i, c in enumerate(self._committed) if c}
+            if pages and not self._range.closed:
+                self._range.release(sorted(pages))
+            if pages:
+                self._policy.release(len(pages) * self._page_size)
+            for page in pages:
+                self._committed[page] = 0
+            self._num_committed = 0
+            self._hot.clear()
+            self._live.clear()
+            for slab in range(self.page_map.num_slabs):
+                self._unlink(slab)
+                self._free[slab].clear()
+            self._warm_mask = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,245 @@
+"""The CUDA driver calls the CUDA VMM backend needs, behind one small typed object.
+
+Why a wrapper: ``cuda.bindings.driver`` returns ``(CUresult, value...)`` tuples and takes its own
+handle types. :class:`CudaDriver` turns that into plain ``int`` arguments and results and raises
+:class:`CudaDriverError` (with the driver's error name and text) on any failure, so the backend
+reads like ordinary Python and unit tests can swap in a fake that satisfies :class:`DriverApi`
+on machines without a GPU.
+
+``cuda-bindings`` is imported only when a :class:`CudaDriver` is constructed, so importing this
+module (or :mod:`elastickv`) never needs CUDA.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
+
+from elastickv.vmm.errors import BackendUnavailable, VmmError
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class CudaDriverError(VmmError):
+    """A driver call returned an error code.
+
+    ``name`` and ``text`` are the driver's own ``cuGetErrorName`` / ``cuGetErrorString``.
+    """
+
+    def __init__(self, call: str, code: int, name: str, text: str) -> None:
+        super().__init__(f"{call} returned {name} ({text})")
+        self.call = call
+        self.code = code
+        self.name = name
+        self.text = text
+
+    @property
+    def out_of_memory(self) -> bool:
+        return self.code == CUDA_ERROR_OUT_OF_MEMORY
+
+
+class DriverApi(Protocol):
+    """What the backend needs from the driver; every failure raises :class:`CudaDriverError`.
+
+    Addresses, sizes and handles are plain ints. Physical allocations are pinned device memory on
+    :attr:`device`; access is always read-write for that device.
+    """
+
+    @property
+    def device(self) -> int: ...
+
+    def current(self) -> AbstractContextManager[None]:
+        """Make this driver's context current on the calling thread for the ``with`` body."""
+        ...
+
+    def granularity(self) -> int: ...
+
+    def address_reserve(self, size: int, alignment: int) -> int: ...
+
+    def address_free(self, address: int, size: int) -> None: ...
+
+    def create(self, size: int) -> int: ...
+
+    def release(self, handle: int) -> None: ...
+
+    def map(self, address: int, size: int, handle: int) -> None: ...
+
+    def set_access(self, address: int, size: int) -> None: ...
+
+    def unmap(self, address: int, size: int) -> None: ...
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of device memory, as the driver reports them."""
+        ...
+
+
+def check(module: Any, call: str, result: tuple[Any, ...]) -> Any:
+    """Return the value(s) after the result code of a ``cuda.bindings`` call, or raise.
+
+    One value comes back as itself, several as a tuple, none as ``None``.
+    """
+    code = result[0]
+    if int(code) != CUDA_SUCCESS:
+        raise error_from(module, call, code)
+    values = result[1:]
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def error_from(module: Any, call: str, code: Any) -> CudaDriverError:
+    """A :class:`CudaDriverError` naming ``code`` as the driver does (else by enum name)."""
+    fallback = getattr(code, "name", f"CUresult {int(code)}")
+    name = _describe(module, "cuGetErrorName", code) or fallback
+    text = _describe(module, "cuGetErrorString", code) or "no description from the driver"
+    return CudaDriverError(call, int(code), name, text)
+
+
+def _describe(module: Any, function: str, code: Any) -> str | None:
+    try:
+        status, value = getattr(module, function)(code)
+    except Exception:
+        return None
+    if int(status) != CUDA_SUCCESS or value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class CudaDriver:
+    """:class:`DriverApi` over ``cuda.bindings.driver`` for one device's primary context.
+
+    The primary context is the one PyTorch uses, so tensors over our mappings work in torch
+    without any context juggling. It is retained here and released when this object goes away.
+    ``module`` is for tests; by default ``cuda.bindings.driver`` is imported.
+    """
+
+    def __init__(self, device: int = 0, *, module: Any = None) -> None:
+        if module is None:
+            try:
+                from cuda.bindings import driver as bindings
+            except ImportError as exc:
+                raise BackendUnavailable(
+                    "the CUDA VMM backend needs the optional 'cuda-bindings' package "
+                    f"({exc}); install it with: pip install 'elastickv[cuda]'"
+                ) from exc
+            module = bindings
+        self._cu = module
+        try:
+            self._call("cuInit", module.cuInit(0))
+            count = int(self._call("cuDeviceGetCount", module.cuDeviceGetCount()))
+        except CudaDriverError as exc:
+            raise BackendUnavailable(
+                f"the CUDA driver cannot start: {exc}; check that an NVIDIA GPU is visible "
+                "(nvidia-smi, CUDA_VISIBLE_DEVICES) and the driver is loaded"
+            ) from exc
+        except (RuntimeError, OSError) as exc:
+            raise BackendUnavailable(
+                f"the CUDA driver library (libcuda) could not be loaded: {exc}; the CUDA VMM "
+                "backend needs an NVIDIA GPU and driver (use the host backend otherwise)"
+            ) from exc
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+            raise BackendUnavailable(
+                f"CUDA device {device!r} does not exist; the driver sees {count} device(s)"
+            )
+        self._device = device
+        try:
+            self._cu_device = self._call("cuDeviceGet", module.cuDeviceGet(device))
+            self._context = self._call(
+                "cuDevicePrimaryCtxRetain", module.cuDevicePrimaryCtxRetain(self._cu_device)
+            )
+        except CudaDriverError as exc:
+            raise BackendUnavailable(f"cannot use CUDA device {device}: {exc}") from exc
+        self._closer = weakref.finalize(self, _release_primary, module, self._cu_device)
+        self._closer.atexit = False
+        self._prop = module.CUmemAllocationProp()
+        self._prop.type = module.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        self._prop.location.type = module.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        self._prop.location.id = device
+        access = module.CUmemAccessDesc()
+        access.location.type = module.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        access.location.id = device
+        access.flags = module.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        self._access = [access]
+
+    @property
+    def device(self) -> int:
+        return self._device
+
+    @contextmanager
+    def current(self) -> Iterator[None]:
+        cu = self._cu
+        active = self._call("cuCtxGetCurrent", cu.cuCtxGetCurrent())
+        if active is not None and int(active) == int(self._context):
+            yield
+            return
+        self._call("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
+        try:
+            yield
+        finally:
+            self._call("cuCtxPopCurrent", cu.cuCtxPopCurrent())
+
+    def granularity(self) -> int:
+        cu = self._cu
+        minimum = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(
+            self._call(
+                "cuMemGetAllocationGranularity",
+                cu.cuMemGetAllocationGranularity(self._prop, minimum),
+            )
+        )
+
+    def address_reserve(self, size: int, alignment: int) -> int:
+        cu = self._cu
+        ptr = self._call(
+            "cuMemAddressReserve", cu.cuMemAddressReserve(size, alignment, cu.CUdeviceptr(0), 0)
+        )
+        return int(ptr)
+
+    def address_free(self, address: int, size: int) -> None:
+        cu = self._cu
+        self._call("cuMemAddressFree", cu.cuMemAddressFree(cu.CUdeviceptr(address), size))
+
+    def create(self, size: int) -> int:
+        return int(self._call("cuMemCreate", self._cu.cuMemCreate(size, self._prop, 0)))
+
+    def release(self, handle: int) -> None:
+        cu = self._cu
+        self._call("cuMemRelease", cu.cuMemRelease(cu.CUmemGenericAllocationHandle(handle)))
+
+    def map(self, address: int, size: int, handle: int) -> None:
+        cu = self._cu
+        result = cu.cuMemMap(
+            cu.CUdeviceptr(address), size, 0, cu.CUmemGenericAllocationHandle(handle), 0
+        )
+        self._call("cuMemMap", result)
+
+    def set_access(self, address: int, size: int) -> None:
+        cu = self._cu
+        result = cu.cuMemSetAccess(cu.CUdeviceptr(address), size, self._access, len(self._access))
+        self._call("cuMemSetAccess", result)
+
+    def unmap(self, address: int, size: int) -> None:
+        cu = self._cu
+        self._call("cuMemUnmap", cu.cuMemUnmap(cu.CUdeviceptr(address), size))
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._call("cuMemGetInfo", self._cu.cuMemGetInfo())
+        return int(free), int(total)
+
+    def close(self) -> None:
+        """Release the primary context (also done when this object is collected)."""
+        self._closer()
+
+    def _call(self, name: str, result: tuple[Any, ...]) -> Any:
+        return check(self._cu, name, result)
+
+
+def _release_primary(module: Any, cu_device: Any) -> None:
+    """Finalizer: nothing useful can be done with an error here."""
+    try:
+        module.cuDevicePrimaryCtxRelease(cu_device)
+    except Exception:
+        return
