@@ -53,6 +53,10 @@ $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed:
 	$(@D)/bin/python -m pip uninstall -qq -y torchvision torchaudio torchcodec triton || true
 	touch $@
 
+# The vLLM stamp is an intermediate of the rule below: keep it, or make deletes it and the
+# next run reinstalls vLLM.
+.PRECIOUS: $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed
+
 $(VLLM_VENV_ROOT)/vllm-%/.elastickv-installed: $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed pyproject.toml
 	$(@D)/bin/python -m pip install -qq --no-deps -e .
 	$(@D)/bin/python -m pip install -qq 'hypothesis>=6.100' 'pytest>=8' 'pytest-timeout>=2.3'

@@ -9,6 +9,7 @@ a refused or rolled-back allocation changes nothing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -229,7 +230,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 AllocatorMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=int(os.environ.get("ELASTICKV_STATEFUL_EXAMPLES", "150")),
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

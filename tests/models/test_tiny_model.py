@@ -1,4 +1,3 @@
-
 """The tiny-model builder: complete, deterministic, validated and cached."""
 
 from __future__ import annotations

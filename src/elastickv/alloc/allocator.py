@@ -9,6 +9,10 @@ few pages and nearly empty slabs drain whole; only the remainder goes to cold sl
 missing the fewest pages first. Warm slabs sit in buckets by free count with a bitmask of
 non-empty buckets, so the common allocation is a handful of O(1) steps.
 
+The slab being filled is *checked out* of the buckets as the cursor: while it holds the
+request and has a live block, allocation and free touch nothing but its free list and a few
+counters. Every other path checks the cursor back in first, so the buckets are exact there.
+
 Every state change happens under one lock, in three phases for a growing allocation: plan
 (read only), admit + commit (the only steps that can fail; rolled back completely), apply.
 """
@@ -118,12 +122,17 @@ class BlockAllocator:
         # Slabs that are runs of consecutive block ids: a set of blocks lies in one slab iff
         # its smallest and largest do.
         self._contiguous_slabs = all(b[-1] - b[0] == len(b) - 1 for b in pmap.slab_blocks)
-        self._hot: set[int] = set()  # committed pages under no live block
-        # Pages only one slab touches need no per-page count: they are in use exactly while
-        # their slab has a live block, so they move in and out of the hot set in bulk.
+        # The hot reserve (committed pages under no live block) in two parts. Pages only one
+        # slab touches are in use exactly while that slab has a live block, so they are
+        # counted per idle slab (slab -> its committed own pages; oldest idle first) and a
+        # slab going idle or live is O(1). Pages several slabs share are counted one by one.
         self._own_pages = tuple(
             tuple(p for p in pages if len(pmap.page_slabs[p]) == 1) for pages in pmap.slab_pages
         )
+        self._own_slab = [slabs[0] if len(slabs) == 1 else -1 for slabs in pmap.page_slabs]
+        self._idle: dict[int, int] = {}
+        self._hot_own = 0
+        self._hot_shared: set[int] = set()
         self._shared_pages = tuple(
             tuple(p for p in pages if len(pmap.page_slabs[p]) > 1) for pages in pmap.slab_pages
         )
@@ -141,6 +150,9 @@ class BlockAllocator:
         self._last_error: str | None = None
         self._null = NULL_BLOCK if reserve_null_block else None
         self._precommit: PrecommitThread | None = None
+        # The slab being filled, out of the buckets (-1: none). It is always warm and live, so
+        # no page of it is hot and no commit or release touches it.
+        self._cursor = -1
 
         if self._null is not None:
             self._free[self._block_slab[self._null]].remove(self._null)
@@ -225,7 +237,10 @@ class BlockAllocator:
 
     def hot_pages(self) -> frozenset[int]:
         with self._lock:
-            return frozenset(self._hot)
+            own = self._own_pages
+            committed = self._committed
+            idle = (p for slab in self._idle for p in own[slab] if committed[p])
+            return frozenset(self._hot_shared.union(idle))
 
     def null_block_pages(self) -> frozenset[int]:
         if self._null is None:
@@ -240,7 +255,7 @@ class BlockAllocator:
                 live_blocks=len(self._live),
                 free_blocks=self._warm_free + self._cold_free,
                 committed_pages=sum(self._committed),
-                hot_pages=len(self._hot),
+                hot_pages=self._num_hot,
                 page_size=self._page_size,
                 allocations=self._allocations,
                 refusals=self._refusals,
@@ -258,6 +273,18 @@ class BlockAllocator:
         lock = self._lock
         lock.acquire()
         try:
+            cursor = self._cursor
+            if cursor >= 0:
+                free = self._free[cursor]
+                if 0 < n <= len(free):
+                    blocks = free[-n:]
+                    del free[-n:]
+                    self._warm_free -= n
+                    self._slab_live[cursor] += n
+                    self._live.update(blocks)
+                    self._allocations += 1
+                    return blocks
+                self._check_in()
             if 0 < n <= self._warm_free:
                 mask = self._warm_mask
                 wider = mask >> n
@@ -273,9 +300,6 @@ class BlockAllocator:
                     free = self._free[slab]
                     blocks = free[-n:]
                     del free[-n:]
-                    if size != n:
-                        self._warm[size - n][slab] = None
-                        mask |= 1 << (size - n)
                     self._warm_mask = mask
                     self._warm_free -= n
                     live = self._slab_live
@@ -283,17 +307,28 @@ class BlockAllocator:
                         self._first_live(slab)
                     live[slab] += n
                     self._live.update(blocks)
+                    if size != n:
+                        self._cursor = slab  # stays out of the buckets while it fills
             else:
                 grown = self._allocate_slow(n)
                 if grown is None:
                     return None
                 blocks = grown
             self._allocations += 1
-            if self._precommit is not None and len(self._hot) < self._min_hot:
+            if self._precommit is not None and self._num_hot < self._min_hot:
                 self._precommit.wake()
             return blocks
         finally:
             lock.release()
+
+    def _check_in(self) -> None:
+        """Return the cursor slab to the buckets (before any path that reads them)."""
+        slab = self._cursor
+        if slab >= 0:
+            self._cursor = -1
+            free = len(self._free[slab])
+            self._warm_free -= free  # :meth:`_link` adds it back
+            self._link(slab)
 
     def _allocate_slow(self, n: int) -> list[int] | None:
         if n <= 0:
@@ -371,14 +406,18 @@ class BlockAllocator:
         self._link(slab)
         return taken
 
+    @property
+    def _num_hot(self) -> int:
+        return self._hot_own + len(self._hot_shared)
+
     def _first_live(self, slab: int) -> None:
-        hot = self._hot
-        hot.difference_update(self._own_pages[slab])
+        """``slab`` (warm: every page committed) gets its first live block."""
+        self._hot_own -= self._idle.pop(slab, 0)
         users = self._page_users
         for page in self._shared_pages[slab]:
             users[page] += 1
             if users[page] == 1:
-                hot.remove(page)
+                self._hot_shared.remove(page)
 
     # -- free ---------------------------------------------------------------------------------
 
@@ -400,19 +439,39 @@ class BlockAllocator:
                     raise ValueError(f"cannot free block {top}: it is not live") from None
                 slab = slab_of(top)
             else:
-                run = unique = set(blocks)
-                if len(unique) != len(blocks) or not unique <= live:
-                    bad = sorted(unique - live) or "repeated blocks"
+                if not live.issuperset(blocks):
+                    bad = sorted(set(blocks) - live)
                     raise ValueError(f"cannot free blocks that are not live: {bad}")
-                live -= unique
-                top = max(unique)
+                before = len(live)
+                live.difference_update(blocks)
+                if before - len(live) != len(blocks):
+                    live.update(blocks)
+                    raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
+                top = max(blocks)
                 slab = slab_of(top)
-                if not (self._contiguous_slabs and slab == slab_of(min(unique))):
+                if not (self._contiguous_slabs and slab == slab_of(min(blocks))):
+                    self._check_in()
                     # Blocks usually come back in the slab runs they were handed out in; a
                     # slab that appears in several runs is simply returned to more than once.
                     for group_slab, group in groupby(blocks, key=slab_of):
                         self._return_blocks(group_slab, list(group))
                     slab = -1
+            if slab >= 0 and slab == self._cursor:
+                free = self._free[slab]
+                before = len(free)
+                if top < self._limit:
+                    free.extend(run)
+                else:
+                    free.extend(b for b in run if b < self._limit)
+                self._warm_free += len(free) - before
+                slab_live = self._slab_live
+                slab_live[slab] -= len(run)
+                if slab_live[slab]:
+                    self._frees += 1
+                    return  # no page changed hands: the reserve is as it was
+                self._check_in()
+                self._last_live_gone(slab)
+                slab = -1
             if slab >= 0:
                 # One slab (the common case): :meth:`_return_blocks`, inlined.
                 free = self._free[slab]
@@ -438,12 +497,12 @@ class BlockAllocator:
                 if not slab_live[slab]:
                     self._last_live_gone(slab)
             self._frees += 1
-            if len(self._hot) > self._max_hot:
+            if self._num_hot > self._max_hot:
                 # A failed release leaves its pages hot and is recorded in ``last_error``;
                 # the blocks are freed either way, so the caller is not interrupted.
                 with contextlib.suppress(ReleaseError):
                     self._shrink_hot(self._max_hot)
-            elif self._precommit is not None and len(self._hot) < self._min_hot:
+            elif self._precommit is not None and self._num_hot < self._min_hot:
                 self._precommit.wake()
         finally:
             lock.release()
@@ -472,13 +531,16 @@ class BlockAllocator:
             self._last_live_gone(slab)
 
     def _last_live_gone(self, slab: int) -> None:
-        hot = self._hot
-        hot.update(self._own_pages[slab])
+        """``slab`` lost its last live block: its (all committed) pages join the reserve."""
+        own = len(self._own_pages[slab])
+        if own:
+            self._idle[slab] = own
+            self._hot_own += own
         users = self._page_users
         for page in self._shared_pages[slab]:
             users[page] -= 1
             if not users[page]:
-                hot.add(page)
+                self._hot_shared.add(page)
 
     # -- capacity management ------------------------------------------------------------------
 
@@ -491,6 +553,7 @@ class BlockAllocator:
                 f"got {num_usable_blocks}"
             )
         with self._lock:
+            self._check_in()
             old = self._limit
             self._limit = num_usable_blocks
             if num_usable_blocks < old:
@@ -512,8 +575,9 @@ class BlockAllocator:
         if not 0 <= min_hot_pages <= max_hot_pages:
             raise ValueError("need 0 <= min_hot_pages <= max_hot_pages")
         with self._lock:
+            self._check_in()
             self._min_hot, self._max_hot = min_hot_pages, max_hot_pages
-            if len(self._hot) > max_hot_pages:
+            if self._num_hot > max_hot_pages:
                 self._shrink_hot(max_hot_pages)
         if self._precommit is not None:
             self._precommit.wake()
@@ -521,6 +585,7 @@ class BlockAllocator:
     def trim(self, keep_pages: int = 0) -> int:
         """Release hot-reserve pages down to ``keep_pages``; returns how many were released."""
         with self._lock:
+            self._check_in()
             return self._shrink_hot(keep_pages)
 
     def precommit(self) -> int:
@@ -528,12 +593,13 @@ class BlockAllocator:
         ``max_hot_pages``); returns the pages committed. The background thread calls this."""
         done = 0
         with self._lock:
-            while not self._closed and len(self._hot) < self._min_hot:
+            self._check_in()
+            while not self._closed and self._num_hot < self._min_hot:
                 slab = self._next_cold_slab()
                 if slab is None:
                     break
                 pages = {p for p in self._slab_pages[slab] if not self._committed[p]}
-                if len(self._hot) + len(pages) > self._max_hot:
+                if self._num_hot + len(pages) > self._max_hot:
                     break
                 if not self._commit_pages(pages):
                     break
@@ -585,20 +651,25 @@ class BlockAllocator:
         self._policy.release(nbytes)
 
     def _shrink_hot(self, keep: int) -> int:
-        excess = len(self._hot) - max(keep, 0)
+        excess = self._num_hot - max(keep, 0)
         if excess <= 0:
             return 0
-        hot = self._hot
-        pages = [hot.pop() for _ in range(excess)]
+        # Drain the longest-idle slabs whole first, then shared pages.
+        pages: list[int] = []
+        committed = self._committed
+        for slab in self._idle:
+            if len(pages) >= excess:
+                break
+            pages.extend(p for p in self._own_pages[slab] if committed[p])
+        del pages[excess:]
+        if len(pages) < excess:
+            pages.extend(sorted(self._hot_shared)[: excess - len(pages)])
         try:
             self._range.release(sorted(pages))
         except ReleaseError as exc:
             self._last_error = str(exc)
             still = {p for p in pages if self._range.is_committed(p)}
-            for page in still:
-                hot.add(page)
-            gone = set(pages) - still
-            self._after_release(gone)
+            self._after_release(set(pages) - still)
             raise
         self._after_release(set(pages))
         return len(pages)
@@ -613,10 +684,23 @@ class BlockAllocator:
     def _mark(self, pages: set[int], *, committed: bool) -> None:
         self._num_committed += len(pages) if committed else -len(pages)
         touched: dict[int, int] = {}
+        # Pages committed or released here are under no live block: they enter or leave the
+        # hot reserve.
+        idle = self._idle
         for page in pages:
             self._committed[page] = committed
-            if committed:
-                self._hot.add(page)
+            owner = self._own_slab[page]
+            if owner >= 0:
+                count = idle.get(owner, 0) + (1 if committed else -1)
+                if count:
+                    idle[owner] = count
+                else:
+                    del idle[owner]
+                self._hot_own += 1 if committed else -1
+            elif committed:
+                self._hot_shared.add(page)
+            else:
+                self._hot_shared.discard(page)
             for slab in self._page_slabs[page]:
                 touched[slab] = touched.get(slab, 0) + 1
         for slab, count in touched.items():
@@ -665,6 +749,7 @@ class BlockAllocator:
         with self._lock:
             if self._closed:
                 return
+            self._check_in()
             self._closed = True
             pages = {i for i, c in enumerate(self._committed) if c}
             if pages and not self._range.closed:
@@ -674,7 +759,9 @@ class BlockAllocator:
             for page in pages:
                 self._committed[page] = 0
             self._num_committed = 0
-            self._hot.clear()
+            self._idle.clear()
+            self._hot_own = 0
+            self._hot_shared.clear()
             self._live.clear()
             for slab in range(self.page_map.num_slabs):
                 self._unlink(slab)

@@ -1,4 +1,3 @@
-
 """Tiny Llama checkpoints built locally, so tests can run real vLLM without downloading a model.
 
 A build writes a complete Hugging Face model directory (config, safetensors weights, a byte-level
