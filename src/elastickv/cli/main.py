@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from elastickv import __version__
-from elastickv.cli import demo, layout
+from elastickv.cli import demo, doctor, instances, layout, limit, top
 from elastickv.cli.errors import UserError
 
 
@@ -20,6 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     layout.register(commands)
     demo.register(commands)
+    instances.register(commands)
+    limit.register(commands)
+    top.register(commands)
+    doctor.register(commands)
     return parser
 
 

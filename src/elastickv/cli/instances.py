@@ -1,0 +1,92 @@
+"""``elastickv list``: the instances registered on a device, their limits and use."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from elastickv.cli.ledger_view import (
+    JSON_SCHEMA,
+    add_device_argument,
+    device_path,
+    ledger_exists,
+    limit_text,
+    no_ledger_message,
+    open_existing,
+    snapshot_dict,
+    user_errors,
+)
+from elastickv.control import DeviceUsage, LedgerSnapshot
+from elastickv.units import format_bytes
+
+
+def register(commands: Any) -> None:
+    p = commands.add_parser(
+        "list",
+        help="list the elastic instances on a device",
+        description="List the instances registered in the device's ledger (dead ones are "
+        "reclaimed first): limits desired and effective, revision, committed and reserved "
+        "bytes, and the device budget and use.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_device_argument(p)
+    p.set_defaults(run=run_list)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    path = device_path(args.device)
+    if not ledger_exists(path):
+        if args.json:
+            print(json.dumps({"schema": JSON_SCHEMA, "ledger": path, "exists": False}))
+        else:
+            print(no_ledger_message(args.device, path))
+        return 0
+    with open_existing(args.device) as ledger, user_errors():
+        snap = ledger.snapshot()
+    if args.json:
+        print(json.dumps({"ledger": path, "exists": True, **snapshot_dict(snap)}))
+    else:
+        render_list(snap, Console())
+    return 0
+
+
+def usage_line(usage: DeviceUsage) -> str:
+    share = f"{usage.utilization:.0%} of {format_bytes(usage.total_bytes)}"
+    if usage.headroom_bytes:
+        share += f" minus {format_bytes(usage.headroom_bytes)} headroom"
+    return (
+        f"device {usage.device}: budget {format_bytes(usage.budget_bytes)} ({share}), "
+        f"used {format_bytes(usage.used_bytes)} (committed {format_bytes(usage.committed_bytes)}"
+        f" + reserved {format_bytes(usage.reserved_bytes)}), "
+        f"available {format_bytes(usage.available_bytes)}, "
+        f"{usage.instances}/{usage.capacity} instances"
+    )
+
+
+def render_list(snap: LedgerSnapshot, console: Console) -> None:
+    console.print(usage_line(snap.usage), highlight=False)
+    if not snap.instances:
+        console.print("no instances registered")
+        return
+    table = Table(box=None, pad_edge=False)
+    for column in ("NAME", "PID", "LIMIT", "EFFECTIVE", "REV", "COMMITTED", "RESERVED", "STATE"):
+        table.add_column(column, justify="left" if column in ("NAME", "STATE") else "right")
+    for info in snap.instances:
+        state = "alive" if info.alive else "dead"
+        if info.draining:
+            state += f", draining {format_bytes(info.over_limit_bytes)}"
+        table.add_row(
+            info.name,
+            str(info.pid),
+            limit_text(info.limit_desired),
+            format_bytes(info.limit_effective),
+            str(info.limit_revision),
+            format_bytes(info.committed_bytes),
+            format_bytes(info.reserved_bytes),
+            state,
+        )
+    console.print(table)

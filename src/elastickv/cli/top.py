@@ -1,0 +1,164 @@
+"""``elastickv top``: a live view of a device's ledger, refreshed every ``--interval`` seconds.
+
+The ledger stays open between frames (one snapshot per frame, no polling in between); if it is
+missing or damaged the frame says so and the next tick tries again, so ``top`` can be started
+before the first instance and survives a ``doctor --reset-ledger``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import select
+import sys
+import termios
+import time
+import tty
+from types import TracebackType
+from typing import IO, Any, Self
+
+from rich.console import Console, RenderableType
+from rich.live import Live
+
+from elastickv.cli.errors import UserError
+from elastickv.cli.ledger_view import (
+    add_device_argument,
+    device_path,
+    ledger_exists,
+    no_ledger_message,
+)
+from elastickv.cli.top_view import render_frame
+from elastickv.control import Ledger, LedgerError, LedgerSnapshot
+
+QUIT_KEYS = frozenset(b"qQ")
+
+
+def register(commands: Any) -> None:
+    p = commands.add_parser(
+        "top",
+        help="live view of the instances on a device",
+        description="Per-instance bars (used vs effective limit, draining shown) and the device "
+        "total, refreshed every --interval seconds. Press q or Ctrl-C to quit.",
+    )
+    p.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between refreshes (1)"
+    )
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    add_device_argument(p)
+    p.set_defaults(run=run_top)
+
+
+class LedgerSource:
+    """Snapshots for successive frames; reopens the ledger after it appears or is repaired."""
+
+    def __init__(self, device: str) -> None:
+        self._device = device
+        self._path = device_path(device)
+        self._ledger: Ledger | None = None
+
+    def read(self) -> tuple[LedgerSnapshot | None, str | None]:
+        """A snapshot, or None and the reason there is none."""
+        try:
+            if self._ledger is None:
+                if not ledger_exists(self._path):
+                    return None, no_ledger_message(self._device, self._path) + "; waiting"
+                self._ledger = Ledger.open(self._device, create=False)
+            return self._ledger.snapshot(), None
+        except LedgerError as err:
+            self.close()
+            return None, str(err)
+
+    def close(self) -> None:
+        if self._ledger is not None:
+            self._ledger.close()
+            self._ledger = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class KeyReader:
+    """Waits for the next frame while watching stdin for a quit key. On a terminal, input is
+    switched to cbreak mode (keys arrive unbuffered, Ctrl-C still interrupts) and restored."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        try:
+            self._fd: int | None = stream.fileno()
+        except (OSError, ValueError):
+            self._fd = None
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> Self:
+        if self._fd is not None and os.isatty(self._fd):
+            self._saved = termios.tcgetattr(self._fd)
+            tty.setcbreak(self._fd, termios.TCSANOW)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._saved is not None and self._fd is not None:
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+
+    def wait(self, seconds: float) -> bool:
+        """Sleep up to ``seconds``; True if a quit key was pressed meanwhile."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._fd is None:
+                time.sleep(left)
+                break
+            ready, _, _ = select.select([self._fd], [], [], left)
+            if not ready:
+                break
+            data = os.read(self._fd, 64)
+            if not data:
+                self._fd = None  # end of input: keep refreshing until interrupted
+            elif QUIT_KEYS.intersection(data):
+                return True
+        return False
+
+
+def run_top(args: argparse.Namespace) -> int:
+    if not args.interval > 0:
+        raise UserError(f"--interval must be a positive number of seconds, got {args.interval}")
+    console = Console()
+    with LedgerSource(args.device) as source:
+
+        def frame() -> RenderableType:
+            snap, problem = source.read()
+            return render_frame(
+                snap,
+                device=args.device,
+                interval=args.interval,
+                problem=problem,
+                quit_hint=not args.once,
+                columns=console.width,
+            )
+
+        if args.once:
+            console.print(frame())
+            return 0
+        live = Live(
+            frame(),
+            console=console,
+            auto_refresh=False,
+            screen=console.is_terminal,  # full screen on a terminal, restored on exit
+            redirect_stdout=False,
+            redirect_stderr=False,
+        )
+        with contextlib.suppress(KeyboardInterrupt), KeyReader(sys.stdin) as keys, live:
+            while not keys.wait(args.interval):
+                live.update(frame(), refresh=True)
+    return 0

@@ -1,0 +1,120 @@
+"""One frame of ``elastickv top``: per-instance bars and the device total, as rich renderables.
+
+Kept apart from the terminal loop so a frame can be rendered (and tested) on its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from elastickv.cli.ledger_view import limit_text
+from elastickv.control import InstanceInfo, LedgerSnapshot
+from elastickv.units import format_bytes
+
+BAR_WIDTH = 32
+COMMITTED = "█"
+RESERVED = "▓"
+FREE = "░"
+
+
+def usage_bar(
+    committed: int, reserved: int, total: int, *, width: int = BAR_WIDTH, over: bool = False
+) -> Text:
+    """``committed`` then ``reserved`` out of ``total`` as ``width`` cells; red when ``over``
+    (an instance draining after a shrink)."""
+    used = committed + reserved
+    if total <= 0:
+        cells_committed = cells_reserved = width if used else 0
+    else:
+        cells_used = min(width, round(width * used / total))
+        cells_committed = min(cells_used, round(width * committed / total))
+        cells_reserved = cells_used - cells_committed
+    bar = Text()
+    bar.append(COMMITTED * cells_committed, style="red" if over else "green")
+    bar.append(RESERVED * cells_reserved, style="red" if over else "yellow")
+    bar.append(FREE * (width - cells_committed - cells_reserved), style="bright_black")
+    return bar
+
+
+def _percent(part: int, whole: int) -> str:
+    return f"{100 * part / whole:5.1f}%" if whole > 0 else "    -"
+
+
+def _instance_state(info: InstanceInfo) -> Text:
+    if info.draining:
+        return Text(f"draining {format_bytes(info.over_limit_bytes)}", style="bold red")
+    return Text(f"limit {limit_text(info.limit_desired)} r{info.limit_revision}")
+
+
+def bar_width(columns: int) -> int:
+    """Bars take what the text columns leave of the terminal width."""
+    return max(8, min(48, columns - 70))
+
+
+def render_frame(
+    snap: LedgerSnapshot | None,
+    *,
+    device: str,
+    interval: float,
+    problem: str | None = None,
+    quit_hint: bool = True,
+    columns: int = 80,
+) -> RenderableType:
+    """The whole screen: a title line, the device total, then one bar per instance, or the
+    reason there is nothing to show (no ledger yet, a damaged ledger)."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(snap.taken_at if snap else time.time()))
+    title = Text.assemble(
+        ("elastickv top", "bold"),
+        f"  device {device}  every {interval:g}s  {stamp}",
+        ("  (q or Ctrl-C quits)" if quit_hint else "", "bright_black"),
+    )
+    if snap is None:
+        return Group(title, Text(problem or "no ledger", style="yellow"))
+    width = bar_width(columns)
+    usage = snap.usage
+    device_line = Text.assemble(
+        ("DEVICE ", "bold"),
+        usage_bar(usage.committed_bytes, usage.reserved_bytes, usage.budget_bytes, width=width),
+        f" {format_bytes(usage.used_bytes)} / {format_bytes(usage.budget_bytes)} budget"
+        f" {_percent(usage.used_bytes, usage.budget_bytes).strip()}, {usage.instances} "
+        f"instance{'s' if usage.instances != 1 else ''}",
+    )
+    table = Table(box=None, pad_edge=False)
+    table.add_column("NAME", no_wrap=True, max_width=16, overflow="ellipsis")
+    table.add_column("USED / LIMIT", no_wrap=True)
+    table.add_column("", justify="right", no_wrap=True)
+    table.add_column("", justify="right", no_wrap=True)
+    table.add_column("STATE", no_wrap=True, overflow="ellipsis")
+    for info in snap.instances:
+        table.add_row(
+            info.name,
+            usage_bar(
+                info.committed_bytes,
+                info.reserved_bytes,
+                info.limit_effective,
+                width=width,
+                over=info.draining,
+            ),
+            f"{format_bytes(info.used_bytes)} / {format_bytes(info.limit_effective)}",
+            _percent(info.used_bytes, info.limit_effective),
+            _instance_state(info),
+        )
+    legend = Text.assemble(
+        (COMMITTED, "green"),
+        " committed  ",
+        (RESERVED, "yellow"),
+        " reserved  ",
+        (FREE, "bright_black"),
+        " free",
+        style="bright_black",
+    )
+    parts: list[RenderableType] = [title, device_line]
+    parts.append(table if snap.instances else Text("no instances registered", style="yellow"))
+    parts.append(legend)
+    if problem:
+        parts.append(Text(problem, style="red"))
+    return Group(*parts)

@@ -1,0 +1,1 @@
+"""Integrations of the elastic KV cache into serving engines (each imported only when used)."""

@@ -1,0 +1,201 @@
+"""vLLM's scheduler block pool, made elastic: it only hands out blocks on committed pages.
+
+Why this shape: vLLM decides whether a request fits with ``get_num_free_blocks()`` and then
+allocates unconditionally, so every step that can fail (admission through the capacity
+policy, page commits) must happen *before* that answer. The scheduler hooks tell the pool how
+many blocks the pending ``allocate_slots`` needs (:meth:`ElasticBlockPool.expect`); the pool
+then backs exactly that many blocks (its *stash*) and answers "free" only if it could, so a
+refusal becomes vLLM's own "cannot schedule now" (``allocate_slots`` returns ``None``).
+
+Block states, in vLLM terms → elastickv's :class:`BlockAllocator`:
+
+* ``ref_cnt > 0`` (in use), the null block, the stash → live in the allocator;
+* ``ref_cnt == 0`` with a prefix-cache hash or still readable after ``unpin`` (*parked*)
+  → live (its bytes are still wanted), evicted LRU when capacity is short;
+* ``ref_cnt == 0`` otherwise → free in the allocator, so its page can be released.
+
+vLLM keeps its free queue (counts, LRU order, ``touch``); we only choose *which* free blocks
+``get_new_blocks`` returns, by moving them to the queue's front first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from vllm.v1.core.block_pool import BlockPool
+
+from elastickv.alloc import AllocatorStats, BlockAllocator
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
+
+
+class ElasticCapacityError(RuntimeError):
+    """Blocks were requested outside vLLM's admission check and cannot be backed now."""
+
+
+class ElasticBlockPool(BlockPool):  # type: ignore[misc]
+    """A :class:`BlockPool` whose blocks are placed and backed by elastickv."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        store = REGISTRY.require()
+        if store.geometry.num_blocks != self.num_gpu_blocks:
+            raise ElasticKVStartupError(
+                f"the scheduler has {self.num_gpu_blocks} blocks but the elastic KV storage "
+                f"was laid out for {store.geometry.num_blocks}"
+            )
+        if self.null_block.block_id != 0:
+            raise ElasticKVStartupError("vLLM's null block is not block 0")
+        self.elastic_store: ElasticStore = store
+        self.allocator: BlockAllocator = store.make_allocator()
+        self._parked: dict[int, None] = {}  # LRU first
+        self._stash: list[int] = []
+        self._need: int | None = None
+        self._in_window = False
+
+    # -- admission (scheduler hooks) ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def allocation_window(self) -> Iterator[None]:
+        """One ``allocate_slots`` call: blocks backed for it and not used go back after."""
+        self._in_window = True
+        try:
+            yield
+        finally:
+            self._in_window = False
+            self._need = None
+            self._trim_stash(0)
+
+    def expect(self, num_blocks: int) -> None:
+        """The next ``get_num_free_blocks`` decides whether ``num_blocks`` fit now."""
+        if self._in_window:
+            self._need = num_blocks
+
+    def get_num_free_blocks(self) -> int:
+        free = int(super().get_num_free_blocks())
+        need, self._need = self._need, None
+        if need is None or need > free or self._back(need):
+            return free
+        return len(self._stash)  # < need: vLLM answers "cannot schedule now"
+
+    def _back(self, need: int) -> bool:
+        """Make the stash exactly ``need`` committed blocks; False (stash unchanged beyond a
+        trim) when the policy or the commit refuses even after evicting parked blocks."""
+        self._trim_stash(need)
+        short = need - len(self._stash)
+        while short > 0:
+            got = self.allocator.allocate(short)
+            if got is not None:
+                self._stash.extend(got)
+                return True
+            if not self._evict_parked(short):
+                return False
+        return True
+
+    def _trim_stash(self, keep: int) -> None:
+        if len(self._stash) > keep:
+            extra, self._stash = self._stash[keep:], self._stash[:keep]
+            self.allocator.free(extra)
+
+    def _evict_parked(self, count: int) -> bool:
+        """Drop up to ``count`` least recently used parked blocks; False if none."""
+        victims = list(self._parked)[:count]
+        if not victims:
+            return False
+        blocks = [self.blocks[b] for b in victims]
+        for block in blocks:
+            self._maybe_evict_cached_block(block)
+            del self._parked[block.block_id]
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        self.allocator.free(victims)
+        return True
+
+    # -- vLLM's allocation and free paths ----------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[Any]:
+        if num_blocks > super().get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        if len(self._stash) < num_blocks and not self._back(num_blocks):
+            raise ElasticCapacityError(
+                f"cannot back {num_blocks} KV blocks now: the capacity policy refused "
+                f"(committed {self.allocator.stats().committed_bytes} bytes)"
+            )
+        chosen, self._stash = self._stash[:num_blocks], self._stash[num_blocks:]
+        blocks = [self.blocks[b] for b in chosen]
+        for block in blocks:
+            self.free_block_queue.remove(block)
+        self.free_block_queue.prepend_n(blocks)
+        got: list[Any] = super().get_new_blocks(num_blocks)
+        if sorted(b.block_id for b in got) != sorted(chosen):
+            raise AssertionError("vLLM's free queue did not return the blocks elastickv backed")
+        return got
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        released: list[int] = []
+        for block in {b.block_id: b for b in blocks}.values():
+            if block.pool is not None and block.pool is not self:
+                continue
+            if block.ref_cnt != 0 or block.is_null or block.block_id in self._parked:
+                continue
+            if self.enable_caching and block.block_hash is not None:
+                self._parked[block.block_id] = None
+            else:
+                released.append(block.block_id)
+        if released:
+            self.allocator.free(released)
+
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
+        blocks = list(blocks)
+        super().unpin_blocks(blocks, on_reuse)
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._parked[block.block_id] = None  # still read until reused
+
+    def touch(self, blocks: Any) -> None:
+        super().touch(blocks)
+        for block in blocks:
+            self._parked.pop(block.block_id, None)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        super().evict_blocks(block_ids)
+        self._release_unhashed_parked(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = bool(super().reset_prefix_cache())
+        if ok:
+            self._release_unhashed_parked(list(self._parked))
+        return ok
+
+    def _release_unhashed_parked(self, block_ids: Iterable[int]) -> None:
+        done = [
+            b
+            for b in block_ids
+            if b in self._parked
+            and self.blocks[b].block_hash is None
+            and b not in self._reuse_watchers
+        ]
+        for b in done:
+            del self._parked[b]
+        if done:
+            self.allocator.free(done)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def elastic_stats(self) -> dict[str, int]:
+        """Counts a test or monitor can print: blocks by state, pages, kernel footprint."""
+        stats: AllocatorStats = self.allocator.stats()
+        return {
+            "live_blocks": stats.live_blocks,
+            "parked_blocks": len(self._parked),
+            "stash_blocks": len(self._stash),
+            "committed_pages": stats.committed_pages,
+            "hot_pages": stats.hot_pages,
+            "page_size": stats.page_size,
+            "refusals": stats.refusals,
+            "footprint_bytes": self.elastic_store.footprint_bytes(),
+        }

@@ -1,0 +1,77 @@
+"""Engine-core hook for vLLM 0.32: connect the scheduler to the worker's KV pool.
+
+``EngineCore._initialize_kv_caches`` runs in the process that then builds the scheduler,
+right after the workers allocated their KV caches. We wrap it to ask the worker (by
+``collective_rpc`` method name) where its pool is and, when the worker is another process,
+open that pool and publish a store for the scheduler's :class:`ElasticBlockPool`. Doing it
+here keeps the order vLLM already guarantees: pool exists → scheduler built → blocks handed
+out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from elastickv.integrations.vllm.config import ElasticConfig
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.shared_pool import (
+    EXPORT_METHOD,
+    IN_PROCESS,
+    PoolExport,
+    geometry_from_wire,
+    open_exported,
+)
+from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
+
+logger = logging.getLogger(__name__)
+
+
+def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFactory) -> None:
+    """Publish the scheduler's store for the one worker's ``replies``; fail closed."""
+    if len(replies) != 1:
+        raise ElasticKVStartupError(
+            f"elastickv supports one KV-cache worker per engine; this engine has {len(replies)} "
+            "(tensor/pipeline parallelism is not supported yet)"
+        )
+    if replies[0] is None:
+        raise ElasticKVStartupError(
+            "the worker did not place its KV cache on elastickv storage (is the elastickv "
+            "plugin loaded in the worker process, with the same ELASTICKV settings?)"
+        )
+    export = PoolExport.from_wire(replies[0])
+    geometry = geometry_from_wire(export.geometry)
+    if export.mapping == IN_PROCESS and export.pid == os.getpid():
+        store = REGISTRY.require()
+        if store.geometry != geometry:
+            raise ElasticKVStartupError("internal: the worker's geometry differs from its store")
+        return
+    vmm_range = open_exported(config, export)
+    REGISTRY.publish(
+        ElasticStore.over(config, geometry, vmm_range, export.size_bytes, policy_factory)
+    )
+    logger.info(
+        "elastickv: scheduler (pid %d) drives the KV pool of worker pid %d (%d bytes, %d-byte "
+        "pages)",
+        os.getpid(),
+        export.pid,
+        vmm_range.size_bytes,
+        export.page_size,
+    )
+
+
+def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
+    from vllm.v1.engine.core import EngineCore
+
+    def init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
+            kv_cache_config = original(self, vllm_config)
+            connect(config, list(self.collective_rpc(EXPORT_METHOD)), policy_factory)
+            return kv_cache_config
+
+        return _initialize_kv_caches
+
+    wrap_method(EngineCore, "_initialize_kv_caches", init_wrapper)

@@ -1,0 +1,110 @@
+"""vLLM 0.32's ``KVCacheConfig`` → our :class:`KVCacheGeometry`, and the check of vLLM's views.
+
+vLLM builds its per-layer views itself; we derive the same views independently from the
+published strides and layout name, and refuse to run if the two disagree (a disagreement
+means our page accounting would commit the wrong bytes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from elastickv.geometry import Contract, GeometryError, KVCacheGeometry, layer_views
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+
+_SUPPORTED_SPECS = ("FullAttentionSpec",)
+_SUPPORTED_QUANT = ("NONE",)
+
+
+def single_tensor(kv_cache_config: Any) -> Any:
+    """The one ``KVCacheTensor`` elastickv places (several → not supported yet)."""
+    tensors = list(kv_cache_config.kv_cache_tensors)
+    if len(tensors) != 1:
+        raise ElasticKVStartupError(
+            f"elastickv supports models whose KV cache is one KVCacheTensor (one attention "
+            f"type); this model has {len(tensors)}"
+        )
+    return tensors[0]
+
+
+def layer_spec(kv_cache_config: Any, layer_name: str) -> Any:
+    for group in kv_cache_config.kv_cache_groups:
+        if layer_name in group.layer_names:
+            spec = group.kv_cache_spec
+            per_layer = getattr(spec, "kv_cache_specs", None)
+            return per_layer[layer_name] if per_layer is not None else spec
+    raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")
+
+
+def geometry_from_config(
+    kv_cache_config: Any, layout_name: str, kernel_block_size: int | None
+) -> KVCacheGeometry:
+    """The geometry of vLLM's KV cache, or a start-up error naming what is unsupported."""
+    tensor = single_tensor(kv_cache_config)
+    spec = layer_spec(kv_cache_config, tensor.layers[0])
+    kind = type(spec).__name__
+    if kind not in _SUPPORTED_SPECS or getattr(spec, "sliding_window", None) is not None:
+        raise ElasticKVStartupError(
+            f"elastickv does not support the {kind} KV cache spec "
+            f"(sliding window {getattr(spec, 'sliding_window', None)}); supported: "
+            f"{', '.join(_SUPPORTED_SPECS)} without sliding window"
+        )
+    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
+    if quant not in _SUPPORTED_QUANT:
+        raise ElasticKVStartupError(
+            f"elastickv does not support KV quantization mode {quant} with vLLM 0.32 yet; "
+            f"supported: {', '.join(_SUPPORTED_QUANT)}"
+        )
+    try:
+        geometry = KVCacheGeometry(
+            num_layers=len(tensor.layers),
+            num_blocks=int(kv_cache_config.num_blocks_of(tensor)),
+            num_kv_heads=int(spec.num_kv_heads),
+            block_size=int(spec.block_size),
+            head_size=int(spec.head_size),
+            head_size_v=int(spec.head_size_v),
+            dtype=str(spec.dtype).removeprefix("torch."),
+            layout=layout_name,
+            kernel_block_size=kernel_block_size,
+            page_size_padded=spec.page_size_padded,
+            offset=int(tensor.offset),
+            layer_stride=int(tensor.layer_stride),
+            block_stride=int(tensor.block_stride),
+            contract=Contract.V032,
+        )
+    except GeometryError as exc:
+        raise ElasticKVStartupError(f"elastickv rejects vLLM's KV cache geometry: {exc}") from exc
+    if geometry.backing_bytes > int(tensor.size):
+        raise ElasticKVStartupError(
+            f"vLLM's KV cache tensor holds {tensor.size} bytes but its strides reach "
+            f"{geometry.backing_bytes}; refusing to guess the layout"
+        )
+    return geometry
+
+
+def verify_views(
+    geometry: KVCacheGeometry,
+    layer_names: list[str],
+    views: dict[str, torch.Tensor],
+    backing: torch.Tensor,
+) -> None:
+    """Every layer's view must be exactly the geometry's (shape, stride, offset, dtype) and
+    lie on ``backing``; otherwise start-up fails with the first difference."""
+    if backing.storage_offset() != 0:
+        raise ElasticKVStartupError("internal: the elastic backing must start at its storage")
+    base = backing.untyped_storage().data_ptr()
+    for name, expected in zip(layer_names, layer_views(geometry), strict=True):
+        view = views.get(name)
+        if view is None:
+            raise ElasticKVStartupError(f"vLLM built no KV cache view for layer {name!r}")
+        got = (tuple(view.shape), tuple(view.stride()), view.storage_offset(), view.dtype)
+        want = (expected.shape, expected.stride, expected.storage_offset, expected.dtype)
+        if got != want:
+            raise ElasticKVStartupError(
+                f"vLLM's KV cache view of layer {name!r} (shape, stride, offset, dtype) = "
+                f"{got} differs from elastickv's geometry {want}; refusing to run"
+            )
+        if view.untyped_storage().data_ptr() != base:
+            raise ElasticKVStartupError(f"layer {name!r}'s KV cache is not on elastickv storage")

@@ -1,0 +1,48 @@
+"""Scheduler-side hooks for vLLM 0.32: an elastic block pool and the admission window.
+
+Three touch points, all in ``vllm.v1.core``:
+
+* ``kv_cache_coordinator.BlockPool`` → :class:`ElasticBlockPool` (every coordinator builds
+  its pool through that name; there is no injection parameter);
+* ``KVCacheCoordinator.get_num_blocks_to_allocate`` → also tells the pool the number;
+* ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
+  happens before vLLM's fit check and unused backing is returned right after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from elastickv.integrations.vllm.hooks import wrap_method
+
+
+def install() -> None:
+    from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    kv_cache_coordinator.BlockPool = ElasticBlockPool
+
+    def need_wrapper(original: Callable[..., int]) -> Callable[..., int]:
+        def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
+            num = original(self, *args, **kwargs)
+            pool = self.block_pool
+            if isinstance(pool, ElasticBlockPool):
+                pool.expect(num)
+            return num
+
+        return get_num_blocks_to_allocate
+
+    def window_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
+            pool = self.block_pool
+            if not isinstance(pool, ElasticBlockPool):
+                return original(self, *args, **kwargs)
+            with pool.allocation_window():
+                return original(self, *args, **kwargs)
+
+        return allocate_slots
+
+    wrap_method(kv_cache_coordinator.KVCacheCoordinator, "get_num_blocks_to_allocate", need_wrapper)
+    wrap_method(kv_cache_manager.KVCacheManager, "allocate_slots", window_wrapper)

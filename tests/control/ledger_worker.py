@@ -1,0 +1,104 @@
+"""A real elastic instance for the multi-process ledger tests: a host-backend range, a
+``BlockAllocator`` admitted through the ledger, and a random allocate/free workload.
+
+    python ledger_worker.py stress DIR NAME SECONDS SEED
+    python ledger_worker.py hold DIR NAME BYTES
+
+Prints one JSON line ``{"ready": ..., "fd": <memfd>}`` once registered (stress then waits for a
+line on stdin, so all workers start contending together), and (stress) one JSON summary at the
+end. Exits non-zero if the kernel ever held more than the ledger admitted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+from elastickv.alloc import BlockAllocator
+from elastickv.control import LedgerPolicy, open_ledger
+from elastickv.geometry import KVCacheGeometry
+from elastickv.vmm import HostBackend
+
+PAGE = 64 * 1024
+# 16 KiB per block over 2 layers: 8 blocks share a 64 KiB page in each layer; 8 MiB in all.
+GEOMETRY = KVCacheGeometry(
+    num_layers=2, num_blocks=512, num_kv_heads=2, block_size=16, head_size=64
+)
+
+
+def say(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def stress(directory: str, name: str, seconds: float, seed: int) -> int:
+    rng = random.Random(seed)
+    with (
+        open_ledger(directory=directory) as ledger,
+        ledger.register(name) as handle,
+        HostBackend(page_size=PAGE).reserve(GEOMETRY.backing_bytes) as vrange,
+        BlockAllocator(GEOMETRY, vrange, LedgerPolicy(handle)) as alloc,
+    ):
+        say(ready=name, fd=vrange.pool.fd)
+        sys.stdin.readline()  # start together, once every worker holds its null block
+        held: list[list[int]] = []
+        ops = refusals = 0
+        max_footprint = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            ops += 1
+            if held and rng.random() < 0.45:
+                alloc.free(held.pop(rng.randrange(len(held))))
+            else:
+                blocks = alloc.allocate(rng.randint(1, 24))
+                if blocks is None:
+                    refusals += 1
+                    if held and rng.random() < 0.5:
+                        alloc.free(held.pop(rng.randrange(len(held))))
+                else:
+                    held.append(blocks)
+            footprint = vrange.footprint_bytes()
+            max_footprint = max(max_footprint, footprint)
+            if footprint > handle.committed_bytes:
+                say(error=f"kernel holds {footprint} > admitted {handle.committed_bytes}")
+                return 3
+        stats = alloc.stats()
+        for blocks in held:
+            alloc.free(blocks)
+        say(
+            done=name,
+            ops=ops,
+            refusals=refusals,
+            allocator_refusals=stats.refusals,
+            max_footprint=max_footprint,
+        )
+    return 0
+
+
+def hold(directory: str, name: str, nbytes: int) -> int:
+    """Commit about ``nbytes`` through the ledger, report it, then wait to be killed."""
+    with (
+        open_ledger(directory=directory) as ledger,
+        ledger.register(name) as handle,
+        HostBackend(page_size=PAGE).reserve(GEOMETRY.backing_bytes) as vrange,
+        BlockAllocator(GEOMETRY, vrange, LedgerPolicy(handle)) as alloc,
+    ):
+        while handle.committed_bytes < nbytes and alloc.allocate(8) is not None:
+            pass
+        say(ready=name, fd=vrange.pool.fd, committed=handle.committed_bytes)
+        time.sleep(600)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode, directory, name = argv[:3]
+    if mode == "stress":
+        return stress(directory, name, float(argv[3]), int(argv[4]))
+    if mode == "hold":
+        return hold(directory, name, int(argv[3]))
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

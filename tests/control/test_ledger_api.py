@@ -1,0 +1,254 @@
+"""Registration, admission, the reserve, live limits and the Python API, in one process."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from ledger_cases import BUDGET, MiB
+
+from elastickv.alloc import BlockAllocator
+from elastickv.control import (
+    DuplicateInstance,
+    InstanceClosed,
+    Ledger,
+    LedgerConfigMismatch,
+    LedgerError,
+    LedgerFull,
+    LedgerPolicy,
+    StaleRevision,
+    UnknownInstance,
+    cuda_device_key,
+    device_usage,
+    ledger_path,
+    list_instances,
+    open_ledger,
+    parse_limit,
+    set_limit,
+    watch,
+)
+from elastickv.geometry import KVCacheGeometry
+from elastickv.vmm import HostBackend
+
+PAGE = 64 * 1024
+
+
+def test_default_location_is_per_user_and_private(ledger: Ledger, ledger_dir: Path) -> None:
+    assert ledger.path == str(ledger_dir / "host.ledger")
+    assert ledger_path("host", "/x") == "/x/host.ledger"
+    assert cuda_device_key("GPU-8F3A-01") == "cuda-gpu-8f3a-01"
+    assert (ledger_dir / "host.ledger").stat().st_mode & 0o777 == 0o600
+    assert ledger_dir.stat().st_mode & 0o777 == 0o700
+
+
+def test_register_names_and_duplicates(ledger: Ledger) -> None:
+    auto = ledger.register()
+    assert auto.name.endswith(f"-{ledger.list_instances()[0].pid}")
+    named = ledger.register("llama-a")
+    with pytest.raises(DuplicateInstance, match="llama-a"):
+        ledger.register("llama-a")
+    with pytest.raises(ValueError, match="invalid instance name"):
+        ledger.register("has space")
+    assert sorted(i.name for i in ledger.list_instances()) == sorted([auto.name, "llama-a"])
+    named.close()
+    named.close()
+    assert [i.name for i in ledger.list_instances()] == [auto.name]
+    ledger.register("llama-a").close()  # the name is free again
+    with pytest.raises(InstanceClosed):
+        named.try_admit(1)
+    named.release(1)  # a no-op: the record and its bytes are gone
+
+
+def test_capacity_full_is_a_clear_error(ledger_dir: Path) -> None:
+    with open_ledger("cuda-gpu-test", total_bytes=BUDGET, capacity=2) as small:
+        small.register("a")
+        small.register("b")
+        with pytest.raises(LedgerFull, match="full"):
+            small.register("c")
+
+
+def test_admission_respects_budget_and_counts(ledger: Ledger) -> None:
+    a = ledger.register("a")
+    b = ledger.register("b")
+    assert a.try_admit(40 * MiB)
+    assert not b.try_admit(30 * MiB)  # 70 > 64 MiB
+    assert b.try_admit(24 * MiB)
+    assert not a.try_admit(1)
+    assert a.available_bytes() == 0
+    b.release(4 * MiB)
+    assert a.available_bytes() == 4 * MiB
+    with pytest.raises(ValueError, match="holds only"):
+        b.release(BUDGET)
+    info = {i.name: i for i in ledger.list_instances()}
+    assert info["a"].committed_bytes == 40 * MiB and info["a"].refusals == 1
+    assert info["b"].admissions == 1 and info["b"].releases == 1
+    usage = ledger.device_usage()
+    assert usage.committed_bytes == 60 * MiB and usage.available_bytes == 4 * MiB
+    assert usage.budget_bytes == BUDGET
+
+
+def test_budget_is_total_times_utilization_minus_headroom(ledger_dir: Path) -> None:
+    with open_ledger("cuda-x", total_bytes=100 * MiB, utilization=0.5, headroom_bytes=MiB) as led:
+        assert led.device_usage().budget_bytes == 49 * MiB
+        with pytest.raises(LedgerConfigMismatch, match="utilization"):
+            open_ledger("cuda-x", utilization=0.9)
+        with open_ledger("cuda-x") as joined:  # omitted budget: join whatever it is
+            assert joined.device_usage().budget_bytes == 49 * MiB
+        led.configure(utilization=1.0, headroom_bytes=0)
+        assert led.device_usage().budget_bytes == 100 * MiB
+    with pytest.raises(ValueError, match="total_bytes is required"):
+        open_ledger("cuda-y")
+
+
+def test_reserve_counts_in_use_and_is_consumed_first(ledger: Ledger) -> None:
+    a = ledger.register("a")
+    b = ledger.register("b")
+    assert a.set_reserved_bytes(16 * MiB)
+    assert not b.try_admit(50 * MiB)  # a's reserve is taken
+    assert a.try_admit(10 * MiB)  # drawn from the reserve: no growth
+    assert (a.committed_bytes, a.reserved_bytes) == (10 * MiB, 6 * MiB)
+    assert ledger.device_usage().used_bytes == 16 * MiB
+    assert not a.set_reserved_bytes(60 * MiB)
+    assert a.set_reserved_bytes(0)
+    assert b.try_admit(50 * MiB)
+
+
+def test_limit_shrink_restore_regrow_with_revisions(ledger: Ledger) -> None:
+    """kvcached #498: after a shrink and a restore, the instance must be able to grow again."""
+    a = ledger.register("a", limit="32M")
+    assert a.info().limit_revision == 1
+    assert a.try_admit(24 * MiB)
+    assert a.set_reserved_bytes(8 * MiB)
+    assert not a.set_reserved_bytes(8 * MiB + 1)  # at the limit
+
+    rev = ledger.set_limit("a", "16M", expected_revision=1)
+    assert rev == 2
+    info = a.info()
+    # The reserve is cut at once; the committed bytes drain lazily.
+    assert info.reserved_bytes == 0 and a.reserved_bytes == 0
+    assert info.limit_desired == 16 * MiB
+    assert info.limit_effective == 24 * MiB and info.draining
+    assert info.over_limit_bytes == 8 * MiB
+    assert not a.try_admit(1)
+    a.release(12 * MiB)
+    info = a.info()
+    assert info.limit_effective == info.limit_desired == 16 * MiB and not info.draining
+    assert a.try_admit(4 * MiB)
+    assert not a.try_admit(1)
+
+    with pytest.raises(StaleRevision, match="revision 2"):
+        ledger.set_limit("a", "32M", expected_revision=1)
+    assert ledger.set_limit("a", "32M", expected_revision=2) == 3
+    assert a.try_admit(16 * MiB)  # growth is back
+    assert a.info().committed_bytes == 32 * MiB
+    assert ledger.set_limit("a", None) == 4
+    assert a.try_admit(BUDGET - 32 * MiB)
+    assert a.info().limit_effective == BUDGET
+    assert ledger.set_limit("a", "50%") == 5
+    assert a.info().limit_desired == BUDGET // 2
+    with pytest.raises(UnknownInstance, match="nope"):
+        ledger.set_limit("nope", 1)
+    with pytest.raises(ValueError, match="invalid limit"):
+        ledger.set_limit("a", "lots")
+
+
+def test_parse_limit() -> None:
+    assert parse_limit("30%", 1000) == 300
+    assert parse_limit("12.5%", 1000) == 125
+    assert parse_limit("2GiB", 1) == 2 << 30
+    assert parse_limit("512M", 1) == 512 << 20
+    assert parse_limit("none", 1) is None
+    for bad in ("101%", "-1", "2X", "%", ""):
+        with pytest.raises(ValueError, match="invalid limit"):
+            parse_limit(bad, 1000)
+
+
+def test_module_api_and_watch(ledger: Ledger) -> None:
+    handle = ledger.register("svc")
+    assert handle.try_admit(MiB)
+    assert [i.name for i in list_instances()] == ["svc"]
+    assert device_usage().committed_bytes == MiB
+    revision = set_limit("svc", "2M")
+    assert revision == 2
+    stream = watch(0.01, changes_only=True)
+    first = next(stream)
+    assert first.instances[0].limit_desired == 2 * MiB
+    handle.release(MiB)
+    second = next(stream)
+    assert second.usage.generation > first.usage.generation
+    assert second.usage.committed_bytes == 0
+    stream.close()
+
+
+def test_ledger_is_thread_safe(ledger: Ledger) -> None:
+    handles = [ledger.register(f"t{i}") for i in range(4)]
+    errors: list[BaseException] = []
+
+    def churn(index: int) -> None:
+        try:
+            handle = handles[index]
+            for _ in range(500):
+                if handle.try_admit(20 * MiB):
+                    handle.release(20 * MiB)
+                if index == 0:
+                    assert ledger.device_usage().used_bytes <= BUDGET
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert ledger.device_usage().used_bytes == 0
+    infos = ledger.list_instances()
+    assert sum(i.admissions + i.refusals for i in infos) == 2000
+    assert sum(i.admissions for i in infos) == sum(i.releases for i in infos)
+
+
+def test_allocator_admits_pages_through_the_ledger(ledger_dir: Path) -> None:
+    geometry = KVCacheGeometry(
+        num_layers=2, num_blocks=512, num_kv_heads=2, block_size=16, head_size=64
+    )
+    budget = 2 * MiB
+    with (
+        open_ledger("cuda-alloc", total_bytes=budget, utilization=1.0) as led,
+        led.register("engine") as handle,
+        HostBackend(page_size=PAGE).reserve(geometry.backing_bytes) as vrange,
+    ):
+        policy = LedgerPolicy(handle)
+        with BlockAllocator(geometry, vrange, policy) as alloc:
+            got = []
+            while (blocks := alloc.allocate(8)) is not None:
+                got.append(blocks)
+            assert vrange.footprint_bytes() == handle.committed_bytes == budget
+            assert policy.admitted_bytes == budget
+            assert not alloc.can_allocate(8)
+            assert policy.info().refusals >= 1
+            for blocks in got:
+                alloc.free(blocks)
+            assert handle.committed_bytes == vrange.footprint_bytes() == 2 * PAGE  # null block
+            assert policy.set_reserved_bytes(4 * PAGE)
+        assert handle.committed_bytes == 0
+        assert led.device_usage().used_bytes == 4 * PAGE
+
+
+def test_closed_ledger_and_fork_misuse_are_refused(ledger: Ledger) -> None:
+    handle = ledger.register("x")
+    pid = os.fork()
+    if pid == 0:  # the child must open its own ledger, not reuse the parent's
+        try:
+            ledger.list_instances()
+        except LedgerError as exc:
+            os._exit(0 if "forked" in str(exc) else 1)
+        os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert [i.name for i in ledger.list_instances()] == ["x"]
+    ledger.close()
+    assert handle.closed
+    with pytest.raises(LedgerError, match="closed"):
+        ledger.register("y")
