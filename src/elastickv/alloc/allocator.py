@@ -315,7 +315,10 @@ class BlockAllocator:
                     return None
                 blocks = grown
             self._allocations += 1
-            if self._precommit is not None and self._num_hot < self._min_hot:
+            if (
+                self._precommit is not None
+                and self._hot_own + len(self._hot_shared) < self._min_hot
+            ):
                 self._precommit.wake()
             return blocks
         finally:
@@ -429,7 +432,6 @@ class BlockAllocator:
         lock.acquire()
         try:
             live = self._live
-            slab_of = self._block_slab.__getitem__
             run: Collection[int] = blocks
             if len(blocks) == 1:
                 (top,) = blocks
@@ -437,8 +439,17 @@ class BlockAllocator:
                     live.remove(top)
                 except KeyError:
                     raise ValueError(f"cannot free block {top}: it is not live") from None
-                slab = slab_of(top)
+                slab = self._block_slab[top]
+                slab_live = self._slab_live
+                if slab == self._cursor and top < self._limit and slab_live[slab] > 1:
+                    # Fastest path: one block back to the slab being filled, which stays live.
+                    self._free[slab].append(top)
+                    self._warm_free += 1
+                    slab_live[slab] -= 1
+                    self._frees += 1
+                    return
             else:
+                slab_of = self._block_slab
                 if not live.issuperset(blocks):
                     bad = sorted(set(blocks) - live)
                     raise ValueError(f"cannot free blocks that are not live: {bad}")
@@ -448,12 +459,12 @@ class BlockAllocator:
                     live.update(blocks)
                     raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
                 top = max(blocks)
-                slab = slab_of(top)
-                if not (self._contiguous_slabs and slab == slab_of(min(blocks))):
+                slab = slab_of[top]
+                if not (self._contiguous_slabs and slab == slab_of[min(blocks)]):
                     self._check_in()
                     # Blocks usually come back in the slab runs they were handed out in; a
                     # slab that appears in several runs is simply returned to more than once.
-                    for group_slab, group in groupby(blocks, key=slab_of):
+                    for group_slab, group in groupby(blocks, key=self._block_slab.__getitem__):
                         self._return_blocks(group_slab, list(group))
                     slab = -1
             if slab >= 0 and slab == self._cursor:
@@ -497,13 +508,12 @@ class BlockAllocator:
                 if not slab_live[slab]:
                     self._last_live_gone(slab)
             self._frees += 1
-            if self._num_hot > self._max_hot:
+            # Freeing only ever grows the reserve, so only its maximum needs checking.
+            if self._hot_own + len(self._hot_shared) > self._max_hot:
                 # A failed release leaves its pages hot and is recorded in ``last_error``;
                 # the blocks are freed either way, so the caller is not interrupted.
                 with contextlib.suppress(ReleaseError):
                     self._shrink_hot(self._max_hot)
-            elif self._precommit is not None and self._num_hot < self._min_hot:
-                self._precommit.wake()
         finally:
             lock.release()
 
