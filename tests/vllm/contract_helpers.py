@@ -54,3 +54,40 @@ def touched_runs(backing: torch.Tensor) -> list[ByteRange]:
 def mark(view: torch.Tensor) -> None:
     """Set every byte ``view`` covers to 1 (its last dimension must be dense)."""
     view.view(torch.uint8).fill_(1)
+
+
+def packed_side_pairs(
+    ours: tuple[torch.Tensor, torch.Tensor],
+    our_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    theirs: torch.Tensor,
+    head_size: int,
+    head_size_v: int,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair our K/V (and scale) views with vLLM's own reading of one packed layer view.
+
+    vLLM reads packed rows as ``theirs.transpose(1, 2).split(head_size, -1)``; per-token-head
+    rows (``our_scales`` given) as halves of ``[data | fp32 scale]``, with the scales from
+    Triton's own ``_ensure_scale_caches``.
+    """
+    import types
+
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    our_k, our_v = ours
+    rows = theirs.transpose(1, 2)
+    if our_scales is not None:
+        padded = theirs.shape[-1] // 2
+        data = padded - 4 // theirs.element_size()
+        their_k, their_v = (half[..., :data] for half in torch.split(rows, padded, dim=-1))
+        stub = types.SimpleNamespace(_k_scale_cache=None, _v_scale_cache=None)
+        TritonAttentionImpl._ensure_scale_caches(stub, theirs)
+        return [
+            (our_k, their_k),
+            (our_v, their_v),
+            (our_scales[0], stub._k_scale_cache.transpose(1, 2)),
+            (our_scales[1], stub._v_scale_cache.transpose(1, 2)),
+        ]
+    chunks = torch.split(rows, head_size, dim=-1)
+    if len(chunks) != 2:  # head_size_v > head_size: split(head_size) cuts V again
+        chunks = torch.split(rows, [head_size, head_size_v], dim=-1)
+    return [(our_k, chunks[0]), (our_v, chunks[1])]

@@ -66,13 +66,19 @@ from typing import Any
 
 import pytest
 import torch
-from contract_helpers import as_int, mark, raw_backing, touched_runs, write_pattern
+from contract_helpers import (
+    as_int,
+    mark,
+    packed_side_pairs,
+    raw_backing,
+    touched_runs,
+    write_pattern,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 from vllm.v1.attention.backend import MultipleOf
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
-from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 from vllm.v1.attention.backends.utils import get_kv_cache_layout
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -372,25 +378,8 @@ def part_pairs(
         return [(our_k, theirs[0]), (our_v, theirs[1])]
     if kind == "split_kv_block_first":
         return [(our_k, theirs[:, 0]), (our_v, theirs[:, 1])]
-    rows = theirs.transpose(1, 2)
-    if case.kv_cache_dtype.endswith("per_token_head"):
-        # Triton's per-token-head views: each half is [data | fp32 scale].
-        padded = theirs.shape[-1] // 2
-        data = padded - 4 // theirs.element_size()
-        their_k, their_v = (half[..., :data] for half in torch.split(rows, padded, dim=-1))
-        stub = types.SimpleNamespace(_k_scale_cache=None, _v_scale_cache=None)
-        TritonAttentionImpl._ensure_scale_caches(stub, theirs)
-        our_ks, our_vs = scale_views(geometry, mine)
-        return [
-            (our_k, their_k),
-            (our_v, their_v),
-            (our_ks, stub._k_scale_cache.transpose(1, 2)),
-            (our_vs, stub._v_scale_cache.transpose(1, 2)),
-        ]
-    chunks = torch.split(rows, case.head_size, dim=-1)
-    if len(chunks) != 2:  # head_size_v > head_size: split(head_size) cuts V again
-        chunks = torch.split(rows, [case.head_size, case.head_size_v], dim=-1)
-    return [(our_k, chunks[0]), (our_v, chunks[1])]
+    scales = scale_views(geometry, mine) if case.kv_cache_dtype.endswith("per_token_head") else None
+    return packed_side_pairs((our_k, our_v), scales, theirs, case.head_size, case.head_size_v)
 
 
 def vllm_raws(case: Case, theirs: list[torch.Tensor]) -> list[torch.Tensor]:

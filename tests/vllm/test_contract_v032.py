@@ -43,7 +43,14 @@ from typing import Any
 
 import pytest
 import torch
-from contract_helpers import as_int, mark, raw_backing, touched_runs, write_pattern
+from contract_helpers import (
+    as_int,
+    mark,
+    packed_side_pairs,
+    raw_backing,
+    touched_runs,
+    write_pattern,
+)
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend
@@ -53,7 +60,7 @@ from vllm.utils.torch_utils import (
     nvfp4_kv_cache_full_dim,
     nvfp4_split_data_scale,
 )
-from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
 from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -303,26 +310,8 @@ def part_pairs(
             )
         return pairs
     our_k, our_v = split_kv(geometry, mine)
-    rows = theirs.transpose(1, 2)
-    if case.mode not in ("auto", "fp8"):
-        # Triton's per-token-head views: each half is [data | fp32 scale].
-        padded = theirs.shape[-1] // 2
-        data = padded - 4 // theirs.element_size()
-        their_k, their_v = (half[..., :data] for half in torch.split(rows, padded, dim=-1))
-        stub = types.SimpleNamespace(_k_scale_cache=None, _v_scale_cache=None)
-        TritonAttentionImpl._ensure_scale_caches(stub, theirs)
-        our_ks, our_vs = scale_views(geometry, mine)
-        return [
-            (our_k, their_k),
-            (our_v, their_v),
-            (our_ks, stub._k_scale_cache.transpose(1, 2)),
-            (our_vs, stub._v_scale_cache.transpose(1, 2)),
-        ]
-    chunks = torch.split(rows, case.head_size, dim=-1)
-    if len(chunks) != 2:  # head_size_v > head_size: split(head_size) cuts V again
-        chunks = torch.split(rows, [case.head_size, case.head_size_v], dim=-1)
-    their_k, their_v = chunks
-    return [(our_k, their_k), (our_v, their_v)]
+    scales = scale_views(geometry, mine) if case.mode not in ("auto", "fp8") else None
+    return packed_side_pairs((our_k, our_v), scales, theirs, case.head_size, case.head_size_v)
 
 
 def check_distinct_values(
