@@ -14,7 +14,13 @@ from typing import Any
 
 from elastickv import __version__
 from elastickv.cli.ledger_view import ledger_exists, usage_dict
-from elastickv.control import RESET_COMMAND, Ledger, LedgerError
+from elastickv.control import (
+    RESET_COMMAND,
+    Ledger,
+    LedgerCorrupt,
+    LedgerError,
+    LedgerVersionMismatch,
+)
 from elastickv.control.paths import ENV_DIR, ledger_directory, ledger_path
 from elastickv.vmm import DEFAULT_PAGE_SIZE, BackendUnavailable, HostBackend, VmmError
 
@@ -132,14 +138,18 @@ def ledger_report(device: str) -> dict[str, Any]:
         "usage": None,
     }
     problem = _directory_problem(directory)
+    recovery = None
     if problem is None and report["exists"]:
         try:
             with Ledger.open(device, create=False) as ledger:
                 report["usage"] = usage_dict(ledger.snapshot().usage)
         except LedgerError as err:
             problem = str(err)
+            # Damage is what a reset repairs; other errors (ownership, modes) say their own fix.
+            if isinstance(err, LedgerCorrupt | LedgerVersionMismatch):
+                recovery = RESET_COMMAND
     if problem is not None:
-        report.update(healthy=False, error=problem, recovery=RESET_COMMAND)
+        report.update(healthy=False, error=problem, recovery=recovery)
     return report
 
 

@@ -112,7 +112,8 @@ def _ledger_lines(ledger: dict[str, Any]) -> list[str]:
     lines = [f"  path   {escape(ledger['path'])}"]
     if not ledger["healthy"]:
         lines.append(f"  status [red]unhealthy[/]: {escape(str(ledger['error']))}")
-        lines.append(f"  fix    {ledger['recovery']}")
+        if ledger["recovery"]:
+            lines.append(f"  fix    {ledger['recovery']}")
     elif not ledger["exists"]:
         lines.append("  status [green]ok[/]: not created yet (the first instance creates it)")
     else:

@@ -1,35 +1,51 @@
-"""Entry point: ``elastickv <command>``; each command lives in its own module."""
+"""Entry point: ``elastickv <command>``; each command lives in its own module.
+
+Only the module of the command being run is imported, so the control-plane commands
+(``list``, ``limit``, ``top``, ``doctor``) start without loading torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
 from elastickv import __version__
-from elastickv.cli import demo, doctor, instances, layout, limit, top
 from elastickv.cli.errors import UserError
 
+# command -> (module that registers it, one-line help for the top-level listing)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "layout": ("elastickv.cli.layout", "inspect KV-cache layouts"),
+    "demo": ("elastickv.cli.demo", "run the geometry on built-in models in every layout"),
+    "list": ("elastickv.cli.instances", "list the elastic instances on a device"),
+    "limit": ("elastickv.cli.limit", "set an instance's memory limit live"),
+    "top": ("elastickv.cli.top", "live view of the instances on a device"),
+    "doctor": ("elastickv.cli.doctor", "check what this machine supports and the ledger's health"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; ``command`` (or every command, when None) gets its full sub-parser."""
     parser = argparse.ArgumentParser(
         prog="elastickv",
         description="Elastic, virtual-memory-backed KV cache for LLM serving.",
     )
     parser.add_argument("--version", action="version", version=f"elastickv {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    layout.register(commands)
-    demo.register(commands)
-    instances.register(commands)
-    limit.register(commands)
-    top.register(commands)
-    doctor.register(commands)
+    for name, (module, summary) in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(module).register(commands)
+        else:
+            commands.add_parser(name, help=summary)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    chosen = next((a for a in args_in if not a.startswith("-")), None)
+    parser = build_parser(chosen if chosen in COMMANDS else None)
+    args = parser.parse_args(args_in)
     try:
         code: int = args.run(args)
     except UserError as err:

@@ -27,12 +27,13 @@ def usage_bar(
     """``committed`` then ``reserved`` out of ``total`` as ``width`` cells; red when ``over``
     (an instance draining after a shrink)."""
     used = committed + reserved
-    if total <= 0:
-        cells_committed = cells_reserved = width if used else 0
+    if total <= 0:  # nothing may be used: anything held shows as full
+        cells_used = width if used else 0
+        cells_committed = cells_used if committed else 0
     else:
         cells_used = min(width, round(width * used / total))
         cells_committed = min(cells_used, round(width * committed / total))
-        cells_reserved = cells_used - cells_committed
+    cells_reserved = cells_used - cells_committed
     bar = Text()
     bar.append(COMMITTED * cells_committed, style="red" if over else "green")
     bar.append(RESERVED * cells_reserved, style="red" if over else "yellow")
