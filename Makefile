@@ -17,7 +17,7 @@ STAMP := $(VENV)/.elastickv-installed
 TORCH_PIN := torch==2.13.0
 
 # Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
-VLLM_TESTS := tests/vllm
+VLLM_TESTS := tests/vllm tests/integration_vllm
 
 .PHONY: demo test venv vllm-venvs clean
 

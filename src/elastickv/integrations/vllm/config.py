@@ -31,6 +31,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "budget_bytes": ("ELASTICKV_BUDGET", "most physical KV bytes this engine may commit"),
     "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
     "instance_name": ("ELASTICKV_INSTANCE", "name shown by `elastickv list`"),
+    "check_commits": (
+        "ELASTICKV_CHECK_COMMITS",
+        "fail if a forward touches KV pages not committed before it (default 0)",
+    ),
 }
 
 
@@ -51,6 +55,7 @@ class ElasticConfig:
     budget_bytes: int | None = None
     strict: bool = True
     instance_name: str | None = None
+    check_commits: bool = False
 
     def __post_init__(self) -> None:
         gran = host_granularity()
@@ -112,6 +117,7 @@ class ElasticConfig:
             return value
 
         strict_text = get("strict")
+        check_text = get("check_commits")
         return cls(
             page_size=size("page_size") or DEFAULT_PAGE_SIZE,
             hot_min_pages=count("hot_min_pages", 0),
@@ -120,6 +126,8 @@ class ElasticConfig:
             budget_bytes=size("budget_bytes"),
             strict=True if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
             instance_name=get("instance_name"),
+            check_commits=check_text is not None
+            and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),
         )
 
     def resolved_virtual_capacity(self) -> int:

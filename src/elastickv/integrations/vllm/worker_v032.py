@@ -8,6 +8,8 @@
   touched, passes vLLM's ``kv_cache_allocation_context`` a mode that answers its one
   ``torch.zeros(n, int8)`` with the elastic backing, lets vLLM build its views, and then
   verifies every view against the geometry.
+* ``CPUModelRunner.execute_model``, only with ``ELASTICKV_CHECK_COMMITS=1``: proves that
+  the forward touched only pages committed before it (:mod:`.commit_check`).
 * ``CPUWorker.elastickv_export_kv_pool`` (added) tells the engine core where the pool is, so
   a scheduler in another process can commit the pages this worker writes.
 """
@@ -23,6 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from elastickv.geometry import KVCacheGeometry
+from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.geometry_v032 import (
@@ -43,6 +46,7 @@ from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFact
 _PERSISTENT = "_elastickv_persistent_kv"
 _POOL = "_elastickv_kv_pool"
 _EXPORT = "_elastickv_kv_export"
+_CHECK = "_elastickv_commit_check"
 
 
 class BackingMode(TorchFunctionMode):
@@ -149,7 +153,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                 REGISTRY.publish(placed)
                 export = PoolExport(
                     pid=os.getpid(),
-                    fd=placed.vmm_range.pool.fd,
+                    fd=export_fd(placed),
                     size_bytes=size,
                     page_size=config.page_size,
                     mapping=IN_PROCESS,
@@ -159,9 +163,20 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                 export = placed.export(geometry)
             setattr(self, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
             setattr(self, _EXPORT, export)
+            if config.check_commits:
+                setattr(self, _CHECK, CommitCheck(export_fd(placed)))
             return views
 
         return initialize_kv_cache_tensors
+
+    def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            check: CommitCheck | None = getattr(self, _CHECK, None)
+            if check is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
+
+        return execute_model
 
     def export_kv_pool(self: Any) -> dict[str, Any] | None:
         """RPC for the engine core: where this worker's KV pool is (None if not elastic)."""
@@ -173,6 +188,8 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
     wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
     wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
     wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
+    if config.check_commits:
+        wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
 
 
 def _place(
@@ -188,6 +205,13 @@ def _place(
     if backend == "uni":
         return ElasticStore.create(config, geometry, size, policy_factory)
     return WorkerPool.create(config, size)
+
+
+def export_fd(placed: ElasticStore | WorkerPool) -> int:
+    """The memfd behind the placed KV cache, in this process."""
+    if isinstance(placed, ElasticStore):
+        return placed.vmm_range.pool.fd
+    return placed.pool.fd
 
 
 def _group_index(kv_cache_config: Any, layer_name: str) -> int:

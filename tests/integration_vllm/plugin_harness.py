@@ -1,0 +1,217 @@
+"""Shared helpers for the vLLM plugin tests: hermetic environments, engine runs, the server.
+
+Every engine runs in its own subprocess so each run is a clean vLLM process tree; native and
+elastic runs differ only in ``ELASTICKV*`` variables (and the multiprocessing switch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+PAGE = 32 << 10
+HOT_MAX_PAGES = 4
+ELASTIC = {
+    "ELASTICKV": "1",
+    "ELASTICKV_PAGE_SIZE": str(PAGE),
+    "ELASTICKV_HOT_MAX_PAGES": str(HOT_MAX_PAGES),
+    "ELASTICKV_VIRTUAL_CAPACITY": "256M",
+    "ELASTICKV_CHECK_COMMITS": "1",
+}
+ENGINE_ARGS = {
+    "dtype": "auto",
+    "enforce-eager": None,
+    "max-model-len": "256",
+    "block-size": "32",
+    "kv-cache-memory-bytes": str(32 << 20),
+    "seed": "0",
+}
+
+
+def hermetic_env(cache_root: Path, extra: dict[str, str], *, multiprocess: bool) -> dict[str, str]:
+    """This process's environment minus any ``ELASTICKV*``, offline, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(cache_root),
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+        **extra,
+    )
+    return env
+
+
+def run_engine(
+    cache_root: Path, model: str, args: list[str], extra: dict[str, str], *, multiprocess: bool
+) -> dict[str, Any]:
+    """Run ``vllm_runner.py`` once; its JSON result, with ``wall_s`` added."""
+    env = hermetic_env(cache_root, extra, multiprocess=multiprocess)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(RUNNER), model, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(f"runner failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["wall_s"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Server:
+    """A running OpenAI server; ``descendants`` is filled in while it serves."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log: Path
+    descendants: dict[int, str] = field(default_factory=dict)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get_status(self, path: str) -> int:
+        try:
+            with urllib.request.urlopen(self.url(path), timeout=5) as response:
+                status: int = response.status
+                return status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    def complete(self, prompt: str, max_tokens: int) -> dict[str, Any]:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            self.url("/v1/completions"),
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            choice: dict[str, Any] = json.loads(response.read())["choices"][0]
+            return {"text": choice["text"], "token_ids": choice["token_ids"]}
+
+    def complete_all(self, prompts: list[str], max_tokens: int) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return list(pool.map(lambda p: self.complete(p, max_tokens), prompts))
+
+    def snapshot_descendants(self) -> None:
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                self.descendants[child.pid] = child.name()
+
+
+def _wait_ready(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            raise AssertionError(
+                f"server exited ({server.proc.returncode}):\n{server.log.read_text()[-4000:]}"
+            )
+        with contextlib.suppress(OSError):
+            if server.get_status("/health") == 200:
+                return
+        time.sleep(0.5)
+    raise AssertionError(f"server not ready in {timeout} s:\n{server.log.read_text()[-4000:]}")
+
+
+@contextlib.contextmanager
+def openai_server(
+    cache_root: Path, model: str, extra: dict[str, str], log: Path
+) -> Iterator[Server]:
+    """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 and wait for ``/health``.
+
+    On exit the caller has already sent SIGTERM (see :func:`terminate`); anything still
+    alive here is killed so a failing test never leaks processes.
+    """
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
+    for key, value in ENGINE_ARGS.items():
+        cmd += [f"--{key}"] + ([] if value is None else [value])
+    env = hermetic_env(cache_root, extra, multiprocess=True)
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    server = Server(proc, port, model, log)
+    try:
+        _wait_ready(server, timeout=300)
+        server.snapshot_descendants()
+        yield server
+    finally:
+        for pid in [proc.pid, *server.descendants]:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        proc.wait(timeout=30)
+
+
+def terminate(server: Server, timeout: float = 30) -> dict[str, Any]:
+    """SIGTERM the server's pid; which of its processes are still alive after ``timeout``."""
+    server.snapshot_descendants()
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    code = server.proc.wait(timeout=timeout)
+    procs = []
+    for pid in server.descendants:
+        with contextlib.suppress(psutil.Error):
+            procs.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(procs, timeout=max(1.0, timeout - (time.monotonic() - start)))
+    return {
+        "returncode": code,
+        "stop_s": round(time.monotonic() - start, 1),
+        "left": {p.pid: server.descendants[p.pid] for p in alive},
+    }
+
+
+POOL_NAME = "memfd:elastickv-pool"
+
+
+def pool_fds(pids: list[int]) -> dict[int, list[str]]:
+    """``/proc/<pid>/fd/<n>`` paths of elastickv pools each process holds (by memfd name)."""
+    held: dict[int, list[str]] = {}
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        with contextlib.suppress(OSError):
+            for entry in fd_dir.iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(entry).startswith(f"/{POOL_NAME}"):
+                        held.setdefault(pid, []).append(str(entry))
+    return held
+
+
+def footprint_bytes(path: str) -> int:
+    """The kernel's allocated bytes of the pool at ``path`` (its memfd ``st_blocks``)."""
+    return os.stat(path).st_blocks * 512

@@ -1,0 +1,151 @@
+"""elastickv's vLLM plugin against real vLLM 0.32 (in-process engine), compared with native vLLM.
+
+Each engine runs in its own subprocess (``vllm_runner.py``, memoised by ``conftest.runs``)
+so every run is a clean vLLM process; the native and elastic runs differ only in
+``ELASTICKV*`` variables. Run with the 0.32 venv: ``python -m pytest tests/integration_vllm``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE
+
+from elastickv.integrations.vllm.commit_check import CommitCheck, CommitOrderError
+from elastickv.integrations.vllm.config import ElasticConfig, enabled
+from elastickv.integrations.vllm.contract import detect_contract
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.vmm import host_granularity
+from elastickv.vmm.host import HostPool
+
+EngineRuns = Callable[..., dict[str, Any]]
+
+
+# -- settings and contract (no engine) -------------------------------------------------------
+
+
+def test_config_parses_and_validates() -> None:
+    cfg = ElasticConfig.from_env({"ELASTICKV_PAGE_SIZE": "64K", "ELASTICKV_BUDGET": "1M"})
+    assert (cfg.page_size, cfg.budget_bytes, cfg.strict) == (64 << 10, 1 << 20, True)
+    assert enabled({"ELASTICKV": "1"}) and not enabled({})
+    with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PAGE_SIZ"):
+        ElasticConfig.from_env({"ELASTICKV_PAGE_SIZ": "64K"})
+    with pytest.raises(ElasticKVStartupError, match="HOT_MIN"):
+        ElasticConfig.from_env({"ELASTICKV_HOT_MIN_PAGES": "9", "ELASTICKV_HOT_MAX_PAGES": "1"})
+    with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PAGE_SIZE"):
+        ElasticConfig.from_env({"ELASTICKV_PAGE_SIZE": "1000"})
+
+
+def test_unsupported_vllm_version_fails_naming_it() -> None:
+    with pytest.raises(ElasticKVStartupError, match=r"vLLM 0\.30\.1.*supported: 0\.32\.x"):
+        detect_contract("0.30.1")
+    assert detect_contract().value == "0.32"
+
+
+def test_unsupported_version_fails_engine_startup(cache_root: Path) -> None:
+    """The plugin raises inside vLLM's plugin loading: no silent native fallback."""
+    code = (
+        "import vllm; vllm.__version__ = '0.99.0'\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+    )
+    env = dict(os.environ, ELASTICKV="1", VLLM_CACHE_ROOT=str(cache_root))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode != 0
+    assert "does not support vLLM 0.99.0" in proc.stderr
+
+
+def test_commit_check_catches_uncommitted_pages() -> None:
+    """The guard the elastic runs enable: a forward touching a hole must fail loudly."""
+    page = host_granularity()
+    with HostPool.create(4 * page, page_size=page) as pool:
+        view = mmap.mmap(pool.fd, 4 * page, flags=mmap.MAP_SHARED)
+        check = CommitCheck(pool.fd)
+        pool.allocate(1, 1)
+
+        def write(at: int) -> int:
+            view[at] = 7
+            return at
+
+        assert check.run(lambda: write(page + 5)) == page + 5  # committed page: fine
+        with pytest.raises(CommitOrderError, match=f"touched {page} bytes"):
+            check.run(lambda: write(2 * page))
+        assert check.forwards == 1
+        view.close()
+
+
+# -- native vs elastic ------------------------------------------------------------------------
+
+
+# One engine per configuration: functional prompts, then 16 concurrent requests (prefix
+# caching on, vLLM's default); the bf16 model runs without prefix caching so its footprint
+# must drain back to the hot reserve.
+ALL = ("all", "--max-tokens", "64")
+BF16 = ("concurrent", "--max-tokens", "32", "--no-prefix-caching")
+
+
+def test_functional_prompts_identical(runs: EngineRuns) -> None:
+    native = runs("tiny-llama", *ALL)
+    elastic = runs("tiny-llama", *ALL, **ELASTIC)
+    assert not native["elastic"] and elastic["elastic"]
+    assert elastic["num_blocks"] > native["num_blocks"]  # virtual capacity advertised
+    assert elastic["functional"] == native["functional"]
+    assert elastic["functional"][:4] == elastic["functional"][4:]  # repeated prompts are stable
+    assert not elastic["shutdown"]["left"]
+
+
+def test_concurrent_identical_with_prefix_caching(runs: EngineRuns) -> None:
+    native = runs("tiny-llama", *ALL)
+    elastic = runs("tiny-llama", *ALL, **ELASTIC)
+    assert len(elastic["concurrent"]) == 16
+    assert all(len(t) == 64 for t in elastic["concurrent"])
+    assert elastic["concurrent"] == native["concurrent"]
+    after = elastic["after"]
+    # Only prefix-cached (parked) blocks keep pages once every request finished.
+    assert after["live_blocks"] == after["parked_blocks"] > 0, after
+    assert after["stash_blocks"] == 0
+    assert after["footprint_bytes"] <= max(s["footprint_bytes"] for s in elastic["samples"])
+
+
+def test_second_model_bf16_identical(runs: EngineRuns) -> None:
+    native = runs("tiny-llama-bf16", *BF16)
+    elastic = runs("tiny-llama-bf16", *BF16, **ELASTIC)
+    assert elastic["elastic"] and elastic["concurrent"] == native["concurrent"]
+    assert all(len(t) == 32 for t in elastic["concurrent"])
+
+
+def test_footprint_follows_blocks(runs: EngineRuns) -> None:
+    elastic = runs("tiny-llama-bf16", *BF16, **ELASTIC)
+    samples = elastic["samples"]
+    peak = max(s["footprint_bytes"] for s in samples)
+    idle = elastic["idle"]["footprint_bytes"]
+    assert peak >= 4 * idle, (idle, peak)
+    # Footprint grows with live blocks: the most-loaded step holds the most memory.
+    busiest = max(samples, key=lambda s: s["live_blocks"])
+    assert busiest["footprint_bytes"] == peak
+    for s in samples:
+        assert s["footprint_bytes"] == s["committed_pages"] * PAGE
+    after = elastic["after"]
+    assert after["live_blocks"] == 0
+    null_pages = elastic["idle"]["committed_pages"]
+    assert after["footprint_bytes"] <= (HOT_MAX_PAGES + null_pages) * PAGE
+
+
+def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
+    native = runs("tiny-llama", *ALL)
+    budget = 5 * PAGE
+    args = ("concurrent", "--max-tokens", "64")
+    elastic = runs("tiny-llama", *args, ELASTICKV_BUDGET=str(budget), **ELASTIC)
+    assert elastic["preemptions"] > 0 and native["preemptions"] == 0
+    assert elastic["after"]["refusals"] > 0
+    assert max(s["footprint_bytes"] for s in elastic["samples"]) <= budget
+    assert elastic["concurrent"] == native["concurrent"]

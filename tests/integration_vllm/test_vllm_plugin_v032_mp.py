@@ -1,0 +1,64 @@
+"""elastickv in vLLM 0.32's default multiprocess mode: the scheduler (engine core process)
+commits and releases the pages of a KV pool the worker process maps; compared with native
+multiprocess vLLM on one engine per side (functional prompts, then 16 concurrent requests)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE
+
+EngineRuns = Callable[..., dict[str, Any]]
+ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching")
+
+
+def test_mp_outputs_identical_to_native(runs: EngineRuns) -> None:
+    native = runs("tiny-llama", *ARGS, mp=True)
+    elastic = runs("tiny-llama", *ARGS, mp=True, **ELASTIC)
+    assert elastic["elastic"] and not native["elastic"]
+    assert elastic["functional"] == native["functional"]
+    assert elastic["functional"][:4] == elastic["functional"][4:]
+    assert len(elastic["concurrent"]) == 16
+    assert all(len(t) == 64 for t in elastic["concurrent"])
+    assert elastic["concurrent"] == native["concurrent"]
+
+
+def test_mp_footprint_follows_load(runs: EngineRuns) -> None:
+    elastic = runs("tiny-llama", *ARGS, mp=True, **ELASTIC)
+    idle = elastic["idle"]["footprint_bytes"]  # the null block's pages only
+    samples = [s["footprint_bytes"] for s in elastic["samples"]]
+    print(f"\n[vllm-mp elastic] idle {idle} peak {max(samples)} after {elastic['after']}")
+    assert 0 < idle <= 2 * PAGE
+    assert max(samples) >= 4 * idle, (idle, samples)
+    assert elastic["after"]["footprint_bytes"] <= idle + HOT_MAX_PAGES * PAGE
+
+
+def test_mp_shutdown_leaves_no_process(runs: EngineRuns) -> None:
+    for result in (
+        runs("tiny-llama", *ARGS, mp=True),
+        runs("tiny-llama", *ARGS, mp=True, **ELASTIC),
+    ):
+        shutdown = result["shutdown"]
+        names = " ".join(shutdown["children"].values())
+        assert "EngineCore" in names and "Worker" in names, names
+        assert not shutdown["left"], shutdown
+        # The runner (and its resource tracker) exited too: nothing of the tree remains.
+        assert not _still_running([int(pid) for pid in shutdown["children"]])
+
+
+def _still_running(pids: list[int], timeout: float = 10) -> list[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for pid in pids:
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    running.append(pid)
+        if not running or time.monotonic() > deadline:
+            return running
+        time.sleep(0.2)

@@ -1,0 +1,170 @@
+"""Run one clean vLLM engine (native or elastickv, chosen by the environment) and print JSON.
+
+Usage: ``python vllm_runner.py MODEL_DIR SCENARIO [--block-size N] [--max-tokens N]``.
+SCENARIO is ``functional``, ``concurrent`` or ``all`` (both, one engine). The engine is
+stepped by hand so native and elastic runs schedule identically and the elastic run can
+sample its kernel-reported footprint between steps. In-process the probe reads the block
+pool's counters; in multiprocess mode it opens the worker's memfd (found through the
+plugin's export RPC) and reads only the footprint. The JSON document is the last line of
+stdout; the engine is shut down and its child processes are checked to be gone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+FUNCTIONAL = [
+    "Hello, my name is",
+    "1 + 1 =",
+    "The capital of France is",
+    "机器学习是",
+]
+EXPORT_METHOD = "elastickv_export_kv_pool"
+
+
+def concurrent_prompts(n: int) -> list[str]:
+    words = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light"]
+    return [
+        f"Request {i}: " + " ".join(words[(i + k) % 8] for k in range(3 + i % 5)) for i in range(n)
+    ]
+
+
+def _in_process_core(llm: Any) -> Any | None:
+    return getattr(llm.llm_engine.engine_core, "engine_core", None)
+
+
+def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, int]] | None, int | None]:
+    """A stats sampler (None when native) and the fd it holds (to close before shutdown)."""
+    if not elastic:
+        return None, None
+    core = _in_process_core(llm)
+    if core is not None:
+        pool = core.scheduler.kv_cache_manager.block_pool
+        stats: Callable[[], dict[str, int]] = pool.elastic_stats
+        return stats, None
+    (export,) = llm.collective_rpc(EXPORT_METHOD)
+    fd = os.open(f"/proc/{export['pid']}/fd/{export['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+
+    def footprint() -> dict[str, int]:
+        return {"footprint_bytes": os.fstat(fd).st_blocks * 512}
+
+    return footprint, fd
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())[:160] or proc.name()
+    except psutil.Error:
+        return "?"
+
+
+def _shutdown(llm: Any) -> dict[str, Any]:
+    """Shut the engine down; report which of its child processes outlived it.
+
+    Python's own ``multiprocessing`` resource tracker belongs to this (the calling) process
+    and exits with it, so it is reported apart; the test checks it is gone afterwards.
+    """
+    children = psutil.Process().children(recursive=True)
+    names = {p.pid: _describe(p) for p in children}
+    engine = [p for p in children if "resource_tracker" not in names[p.pid]]
+    start = time.monotonic()
+    llm.llm_engine.engine_core.shutdown()
+    _, alive = psutil.wait_procs(engine, timeout=20)
+    return {
+        "children": names,
+        "left": {p.pid: names[p.pid] for p in alive},
+        "stop_s": round(time.monotonic() - start, 1),
+    }
+
+
+def run(
+    model: str, scenario: str, block_size: int, max_tokens: int, prefix_caching: bool
+) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    start = time.monotonic()
+    llm = LLM(
+        model=model,
+        dtype="auto",
+        enforce_eager=True,
+        max_model_len=256,
+        block_size=block_size,
+        kv_cache_memory_bytes=32 << 20,
+        seed=0,
+        enable_prefix_caching=prefix_caching,
+    )
+    startup_s = time.monotonic() - start
+    elastic = os.environ.get("ELASTICKV") == "1"
+    stats, probe_fd = _probe(llm, elastic)
+    core = _in_process_core(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine = llm.llm_engine
+    results: dict[str, list[int]] = {}
+    preempted: dict[str, int] = {}
+    samples: list[dict[str, int]] = []
+    idle = stats() if stats else None
+
+    def step(sample: bool) -> None:
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = list(out.outputs[0].token_ids)
+        if core is not None:
+            for rid, request in core.scheduler.requests.items():
+                preempted[rid] = max(preempted.get(rid, 0), request.num_preemptions)
+        if sample and stats:
+            samples.append(stats())
+
+    result: dict[str, Any] = {"elastic": elastic, "startup_s": round(startup_s, 1)}
+    start = time.monotonic()
+    if scenario in ("functional", "all"):
+        # Repeated prompts, one at a time: each completes before the next starts.
+        for i, prompt in enumerate(FUNCTIONAL * 2):
+            engine.add_request(f"f{i}", prompt, params)
+            while engine.has_unfinished_requests():
+                step(False)
+        result["functional"] = [results[f"f{i}"] for i in range(len(FUNCTIONAL) * 2)]
+    if scenario in ("concurrent", "all"):
+        prompts = concurrent_prompts(16)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"c{i}", prompt, params)
+        while engine.has_unfinished_requests():
+            step(True)
+        result["concurrent"] = [results[f"c{i}"] for i in range(len(prompts))]
+    result.update(
+        num_blocks=llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        idle=idle,
+        samples=samples,
+        after=stats() if stats else None,
+        preemptions=sum(preempted.values()) if core is not None else None,
+        serve_s=round(time.monotonic() - start, 2),
+    )
+    if probe_fd is not None:
+        os.close(probe_fd)
+    result["shutdown"] = _shutdown(llm)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("scenario", choices=["functional", "concurrent", "all"])
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    args = parser.parse_args()
+    result = run(
+        args.model, args.scenario, args.block_size, args.max_tokens, not args.no_prefix_caching
+    )
+    sys.stdout.write("\n" + json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
