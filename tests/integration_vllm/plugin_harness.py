@@ -53,8 +53,10 @@ def hermetic_env(cache_root: Path, extra: dict[str, str], *, multiprocess: bool)
         DO_NOT_TRACK="1",
         VLLM_CACHE_ROOT=str(cache_root),
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
-        **extra,
+        # Elastic engines register in a ledger: the suite's own, never the user's.
+        ELASTICKV_LEDGER_DIR=str(cache_root / "ledger"),
     )
+    env.update(extra)
     return env
 
 
@@ -62,20 +64,43 @@ def run_engine(
     cache_root: Path, model: str, args: list[str], extra: dict[str, str], *, multiprocess: bool
 ) -> dict[str, Any]:
     """Run ``vllm_runner.py`` once; its JSON result, with ``wall_s`` added."""
+    return finish_engine(start_engine(cache_root, model, args, extra, multiprocess=multiprocess))
+
+
+@dataclass
+class EngineProc:
+    """A ``vllm_runner.py`` started in the background (see :func:`finish_engine`)."""
+
+    proc: subprocess.Popen[str]
+    started: float
+
+
+def start_engine(
+    cache_root: Path, model: str, args: list[str], extra: dict[str, str], *, multiprocess: bool
+) -> EngineProc:
     env = hermetic_env(cache_root, extra, multiprocess=multiprocess)
-    start = time.monotonic()
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(RUNNER), model, *args],
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=600,
-        check=False,
     )
-    if proc.returncode != 0:
-        raise AssertionError(f"runner failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["wall_s"] = round(time.monotonic() - start, 1)
+    return EngineProc(proc, time.monotonic())
+
+
+def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
+    """Wait for the runner; its JSON result, with ``wall_s`` added (killed on timeout)."""
+    try:
+        stdout, stderr = engine.proc.communicate(timeout=timeout)
+    finally:
+        if engine.proc.poll() is None:
+            engine.proc.kill()
+            engine.proc.wait()
+    if engine.proc.returncode != 0:
+        raise AssertionError(f"runner failed ({engine.proc.returncode}):\n{stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    result["wall_s"] = round(time.monotonic() - engine.started, 1)
     return result
 
 
@@ -215,3 +240,15 @@ def pool_fds(pids: list[int]) -> dict[int, list[str]]:
 def footprint_bytes(path: str) -> int:
     """The kernel's allocated bytes of the pool at ``path`` (its memfd ``st_blocks``)."""
     return os.stat(path).st_blocks * 512
+
+
+def ledger_list(ledger_dir: Path | str) -> dict[str, Any]:
+    """``elastickv list --json`` (the real console script) on the ledger in ``ledger_dir``."""
+    script = Path(sys.executable).with_name("elastickv")
+    env = dict(os.environ, ELASTICKV_LEDGER_DIR=str(ledger_dir))
+    proc = subprocess.run(
+        [str(script), "list", "--json"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out

@@ -6,6 +6,8 @@ The two servers run one after the other (never two vLLM process trees at once).
 
 from __future__ import annotations
 
+import os
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ from plugin_harness import (
     HOT_MAX_PAGES,
     PAGE,
     footprint_bytes,
+    free_port,
+    ledger_list,
     openai_server,
     pool_fds,
     terminate,
@@ -28,8 +32,14 @@ def _serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]
     from elastickv.models import ensure_tiny_model
 
     model = str(ensure_tiny_model("tiny-llama"))
+    ledger_dir = cache_root / "ledger"
     with openai_server(cache_root, model, extra, log) as server:
-        result: dict[str, Any] = {"health": server.get_status("/health")}
+        result: dict[str, Any] = {"health": server.get_status("/health"), "port": server.port}
+        result["ledger"] = ledger_list(ledger_dir)["instances"]
+        if "ELASTICKV_METRICS_PORT" in extra:
+            url = f"http://127.0.0.1:{extra['ELASTICKV_METRICS_PORT']}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                result["metrics"] = response.read().decode()
         holders = pool_fds(list(server.descendants))
         result["pool_holders"] = len(holders)
         path = next((paths[0] for paths in holders.values()), None)
@@ -37,6 +47,8 @@ def _serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]
         result["outputs"] = server.complete_all(concurrent_prompts(16), MAX_TOKENS)
         result["after_footprint"] = None if path is None else footprint_bytes(path)
         result["shutdown"] = terminate(server)
+    result["ledger_after"] = ledger_list(ledger_dir)["instances"]
+    result["model"] = model
     return result
 
 
@@ -45,10 +57,14 @@ def servers(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
     logs = tmp_path_factory.mktemp("server-logs")
     result = {
         "native": _serve(cache_root, logs / "native.log", {}),
-        "elastic": _serve(cache_root, logs / "elastic.log", ELASTIC),
+        "elastic": _serve(
+            cache_root,
+            logs / "elastic.log",
+            {**ELASTIC, "ELASTICKV_METRICS_PORT": str(free_port())},
+        ),
     }
     for name, run in result.items():
-        summary = {k: v for k, v in run.items() if k != "outputs"}
+        summary = {k: v for k, v in run.items() if k not in ("outputs", "metrics")}
         print(f"\n[vllm-server {name}] {summary}")
     return result
 
@@ -78,3 +94,16 @@ def test_server_sigterm_leaves_no_process(servers: dict[str, Any]) -> None:
     for name in ("native", "elastic"):
         shutdown = servers[name]["shutdown"]
         assert not shutdown["left"], (name, shutdown)
+
+
+def test_server_registers_in_ledger_by_model_and_port(servers: dict[str, Any]) -> None:
+    """`elastickv list` shows the running engine as `<served model name>:<port>`, with its
+    metrics on ELASTICKV_METRICS_PORT; after SIGTERM no record is left."""
+    elastic, native = servers["elastic"], servers["native"]
+    assert native["ledger"] == []
+    (instance,) = elastic["ledger"]
+    assert instance["name"] == f"{os.path.basename(elastic['model'])}:{elastic['port']}"
+    assert instance["committed_bytes"] > 0  # the null block's pages, admitted by the ledger
+    metrics = elastic["metrics"]
+    assert "elastickv_committed_bytes" in metrics and f'"{instance["name"]}"' in metrics
+    assert elastic["ledger_after"] == []

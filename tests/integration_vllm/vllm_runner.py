@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -59,6 +60,18 @@ def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, int]] | None
     return footprint, fd
 
 
+def elastickv_cli(*args: str) -> dict[str, Any]:
+    """Run the real ``elastickv`` console script (next to this interpreter) with ``--json``."""
+    script = os.path.join(os.path.dirname(sys.executable), "elastickv")
+    proc = subprocess.run(
+        [script, *args, "--json"], capture_output=True, text=True, timeout=60, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"elastickv {' '.join(args)} failed: {proc.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
 def _describe(proc: psutil.Process) -> str:
     try:
         return " ".join(proc.cmdline())[:160] or proc.name()
@@ -86,7 +99,12 @@ def _shutdown(llm: Any) -> dict[str, Any]:
 
 
 def run(
-    model: str, scenario: str, block_size: int, max_tokens: int, prefix_caching: bool
+    model: str,
+    scenario: str,
+    block_size: int,
+    max_tokens: int,
+    prefix_caching: bool,
+    ledger_limit: str | None = None,
 ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -131,6 +149,14 @@ def run(
             while engine.has_unfinished_requests():
                 step(False)
         result["functional"] = [results[f"f{i}"] for i in range(len(FUNCTIONAL) * 2)]
+    ledger = os.environ.get("ELASTICKV_LEDGER_DIR") and elastic
+    if ledger:
+        result["ledger_running"] = elastickv_cli("list")
+    if ledger and ledger_limit is not None:
+        # The engine is idle now: lower its limit; the next steps must honour it.
+        (instance,) = result["ledger_running"]["instances"]
+        result["footprint_before_limit"] = stats() if stats else None
+        result["limit"] = elastickv_cli("limit", instance["name"], ledger_limit)
     if scenario in ("concurrent", "all"):
         prompts = concurrent_prompts(16)
         for i, prompt in enumerate(prompts):
@@ -148,7 +174,11 @@ def run(
     )
     if probe_fd is not None:
         os.close(probe_fd)
+    if ledger:
+        result["ledger_served"] = elastickv_cli("list")
     result["shutdown"] = _shutdown(llm)
+    if ledger:
+        result["ledger_after"] = elastickv_cli("list")
     return result
 
 
@@ -159,9 +189,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--ledger-limit", help="`elastickv limit` this engine after warm-up")
     args = parser.parse_args()
     result = run(
-        args.model, args.scenario, args.block_size, args.max_tokens, not args.no_prefix_caching
+        args.model,
+        args.scenario,
+        args.block_size,
+        args.max_tokens,
+        not args.no_prefix_caching,
+        args.ledger_limit,
     )
     sys.stdout.write("\n" + json.dumps(result) + "\n")
 

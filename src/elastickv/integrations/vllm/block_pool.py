@@ -21,6 +21,7 @@ vLLM keeps its free queue (counts, LRU order, ``touch``); we only choose *which*
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,7 +29,14 @@ from vllm.v1.core.block_pool import BlockPool
 
 from elastickv.alloc import AllocatorStats, BlockAllocator
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.registration import registration_of
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
+from elastickv.vmm.errors import CommitError
+
+# How often a scheduler step reads the ledger for a lowered limit. A ledger read takes its
+# lock and checks the liveness of every instance, far too much for every step of a small
+# model; an operator's limit still lands within this interval.
+LIMIT_CHECK_INTERVAL_S = 0.05
 
 
 class ElasticCapacityError(RuntimeError):
@@ -49,11 +57,28 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self.null_block.block_id != 0:
             raise ElasticKVStartupError("vLLM's null block is not block 0")
         self.elastic_store: ElasticStore = store
-        self.allocator: BlockAllocator = store.make_allocator()
+        self.registration = registration_of(store.policy)
+        try:
+            self.allocator: BlockAllocator = store.make_allocator()
+        except CommitError as exc:
+            where = (
+                f"the ledger refused them for instance {self.registration.name!r} (device "
+                "budget or instance limit full; see `elastickv list`)"
+                if self.registration is not None
+                else "the capacity policy refused them"
+            )
+            if self.registration is not None:
+                self.registration.close()
+            raise ElasticKVStartupError(
+                f"cannot commit the KV cache's null block at start-up: {where}: {exc}"
+            ) from exc
+        if self.registration is not None:
+            self.registration.attach_allocator(self.allocator)
         self._parked: dict[int, None] = {}  # LRU first
         self._stash: list[int] = []
         self._need: int | None = None
         self._in_window = False
+        self._next_limit_check = 0.0
 
     # -- admission (scheduler hooks) ---------------------------------------------------------
 
@@ -112,6 +137,37 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._notify_reuse(blocks)
         self.allocator.free(victims)
         return True
+
+    # -- live limits and shutdown (scheduler hooks) ------------------------------------------
+
+    def sync_limit(self) -> int:
+        """Apply a limit an operator lowered (``elastickv limit``): drop hot pages, then
+        evict parked prefix-cache blocks, while the ledger says the engine is over it. Once
+        per scheduler step; reads the ledger at most every ``LIMIT_CHECK_INTERVAL_S``.
+        Returns pages released."""
+        if self.registration is None or self._in_window:
+            return 0
+        now = time.monotonic()
+        if now < self._next_limit_check:
+            return 0
+        self._next_limit_check = now + LIMIT_CHECK_INTERVAL_S
+        released = 0
+        page = self.allocator.page_size
+        while (over := self.registration.over_limit_bytes()) > 0:
+            hot = self.allocator.stats().hot_pages
+            trimmed = self.allocator.trim(max(0, hot - -(-over // page)))
+            released += trimmed
+            if trimmed == 0 and not self._evict_parked(max(1, -(-over // page))):
+                break  # only live blocks remain: they drain as requests finish
+        return released
+
+    def close_elastic(self) -> None:
+        """Engine shutdown: return every page and unregister from the ledger."""
+        self._trim_stash(0)
+        if self.registration is not None:
+            self.registration.close()  # closes the allocator first
+        else:
+            self.allocator.close()
 
     # -- vLLM's allocation and free paths ----------------------------------------------------
 

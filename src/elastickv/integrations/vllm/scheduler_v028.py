@@ -1,0 +1,53 @@
+"""Scheduler-side hooks for vLLM 0.28–0.31: the 0.32 elastic block pool, adapted.
+
+0.28's ``BlockPool`` / ``KVCacheCoordinator`` / ``KVCacheManager`` have the shape the 0.32
+hooks rely on (``get_num_blocks_to_allocate`` then ``get_num_free_blocks`` inside
+``allocate_slots``, ``get_new_blocks``, ``free_blocks``, ``touch``, ``evict_blocks``,
+``reset_prefix_cache``), so the same touch points apply. What 0.28 lacks: blocks that belong
+to another pool (``KVCacheBlock.pool``; 0.28's block is a slotted dataclass without it) and
+``unpin_blocks`` with its reuse watchers. :class:`ElasticBlockPoolV028` supplies an empty
+watcher table (so those paths are inert) and a ``free_blocks`` without the pool check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+
+class ElasticBlockPoolV028(ElasticBlockPool):
+    """:class:`ElasticBlockPool` on vLLM 0.28's ``BlockPool`` (single pool, no unpinning)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # 0.28 never unpins blocks: no block is ever watched, so every watcher path is inert.
+        self._reuse_watchers: dict[int, Any] = {}
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        blocks = list(ordered_blocks)
+        super(ElasticBlockPool, self).free_blocks(blocks)  # vLLM's own bookkeeping
+        released: list[int] = []
+        for block in {b.block_id: b for b in blocks}.values():
+            if block.ref_cnt != 0 or block.is_null or block.block_id in self._parked:
+                continue
+            if self.enable_caching and block.block_hash is not None:
+                self._parked[block.block_id] = None
+            else:
+                released.append(block.block_id)
+        if released:
+            self.allocator.free(released)
+
+    def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
+        raise NotImplementedError("vLLM 0.28 has no unpin_blocks")
+
+
+def install() -> None:
+    """The 0.32 scheduler hooks, with the 0.28 pool class in the coordinator's namespace."""
+    from vllm.v1.core import kv_cache_coordinator
+
+    from elastickv.integrations.vllm import scheduler_v032
+
+    scheduler_v032.install()
+    kv_cache_coordinator.BlockPool = ElasticBlockPoolV028
