@@ -64,3 +64,41 @@ def runs(cache_root: Path) -> EngineRuns:
         return run(model, args, mp, tuple(sorted(extra.items())))
 
     return call
+
+
+@pytest.fixture(scope="session")
+def servers(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A native and an elastic OpenAI server run, one after the other (never two vLLM process
+    trees at once), shared by the server tests and the validation table."""
+    from plugin_harness import ELASTIC, free_port, serve
+
+    logs = tmp_path_factory.mktemp("server-logs")
+    result = {
+        "native": serve(cache_root, logs / "native.log", {}),
+        "elastic": serve(
+            cache_root,
+            logs / "elastic.log",
+            {**ELASTIC, "ELASTICKV_METRICS_PORT": str(free_port())},
+        ),
+    }
+    for name, run in result.items():
+        summary = {k: v for k, v in run.items() if k not in ("outputs", "metrics", "functional")}
+        print(f"\n[vllm-server {name}] {summary}")
+    return result
+
+
+VALIDATION_KEY = pytest.StashKey[list[str]]()
+
+
+@pytest.fixture(scope="session")
+def validation_tables(pytestconfig: pytest.Config) -> list[str]:
+    """Markdown validation tables; printed at the end of the run (``pytest_terminal_summary``)."""
+    return pytestconfig.stash.setdefault(VALIDATION_KEY, [])
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    tables = config.stash.get(VALIDATION_KEY, [])
+    if tables:
+        terminalreporter.section("elastickv vLLM validation")
+        for table in tables:
+            terminalreporter.write_line(table)

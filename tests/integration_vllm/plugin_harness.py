@@ -252,3 +252,97 @@ def ledger_list(ledger_dir: Path | str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out: dict[str, Any] = json.loads(proc.stdout)
     return out
+
+
+# -- the OpenAI server, one run per side (shared by the 0.28 and 0.32 server tests) ----------
+
+SERVER_MAX_TOKENS = 24
+
+
+def serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]:
+    """One OpenAI server run: health, the ledger and pools while idle, the repeated functional
+    prompts one at a time, 16 concurrent completions, health again, SIGTERM, the ledger after."""
+    from vllm_runner import FUNCTIONAL, concurrent_prompts
+
+    from elastickv.models import ensure_tiny_model
+
+    model = str(ensure_tiny_model("tiny-llama"))
+    ledger_dir = cache_root / "ledger"
+    started = time.monotonic()
+    with openai_server(cache_root, model, extra, log) as server:
+        result: dict[str, Any] = {"health": server.get_status("/health"), "port": server.port}
+        result["startup_s"] = round(time.monotonic() - started, 1)
+        result["ledger"] = ledger_list(ledger_dir)["instances"]
+        if "ELASTICKV_METRICS_PORT" in extra:
+            url = f"http://127.0.0.1:{extra['ELASTICKV_METRICS_PORT']}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                result["metrics"] = response.read().decode()
+        holders = pool_fds(list(server.descendants))
+        result["pool_holders"] = len(holders)
+        path = next((paths[0] for paths in holders.values()), None)
+        result["idle_footprint"] = None if path is None else footprint_bytes(path)
+        functional = [server.complete(p, SERVER_MAX_TOKENS) for p in FUNCTIONAL * 2]
+        result["functional"] = [o["token_ids"] for o in functional]
+        result["outputs"] = server.complete_all(concurrent_prompts(16), SERVER_MAX_TOKENS)
+        result["after_footprint"] = None if path is None else footprint_bytes(path)
+        result["final_health"] = server.get_status("/health")
+        result["shutdown"] = terminate(server)
+    result["ledger_after"] = ledger_list(ledger_dir)["instances"]
+    result["model"] = model
+    return result
+
+
+# -- start-ups that must fail ------------------------------------------------------------------
+
+_FAILING_START = """
+import json, sys
+from vllm import LLM
+kwargs = json.loads(sys.argv[2])
+LLM(model=sys.argv[1], dtype="auto", enforce_eager=True, max_model_len=256, block_size=32,
+    kv_cache_memory_bytes=32 << 20, seed=0, **kwargs)
+print("ENGINE STARTED")
+"""
+
+
+def failing_start(
+    cache_root: Path,
+    model: str,
+    llm_kwargs: dict[str, Any],
+    extra: dict[str, str],
+    ledger_dir: Path,
+    *,
+    multiprocess: bool = False,
+) -> dict[str, Any]:
+    """Start ``vllm.LLM`` in its own session, expecting it to fail: its return code and
+    stderr, the processes of its session still running afterwards, the ledger's records."""
+    env = hermetic_env(
+        cache_root, {**extra, "ELASTICKV_LEDGER_DIR": str(ledger_dir)}, multiprocess=multiprocess
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FAILING_START, model, json.dumps(llm_kwargs)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its session id is its pid: finds every process it started
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(1)  # let children that are exiting finish
+    left = []
+    for other in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(other.pid) == proc.pid and other.status() != psutil.STATUS_ZOMBIE:
+                left.append(other.pid)
+    ledger = ledger_list(ledger_dir)["instances"] if ledger_dir.exists() else []
+    return {
+        "returncode": proc.returncode,
+        "stdout": stdout,
+        "stderr": stderr,
+        "left": left,
+        "ledger": ledger,
+    }

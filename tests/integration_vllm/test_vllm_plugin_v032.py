@@ -149,3 +149,54 @@ def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
     assert elastic["after"]["refusals"] > 0
     assert max(s["footprint_bytes"] for s in elastic["samples"]) <= budget
     assert elastic["concurrent"] == native["concurrent"]
+
+
+# -- start-up refusals ------------------------------------------------------------------------
+
+
+def test_layout_or_spec_the_plugin_cannot_place_fails_naming_it() -> None:
+    """vLLM 0.32's CPU backend accepts only the LBHNC layout (it refuses any other
+    ``VLLM_KV_CACHE_LAYOUT`` itself), so the plugin's own check runs where it runs: on the
+    ``KVCacheConfig`` and layout name ``initialize_kv_cache_tensors`` receives."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+
+    from elastickv.integrations.vllm.geometry_v032 import geometry_from_config
+
+    def config(spec: FullAttentionSpec, blocks: int = 5) -> KVCacheConfig:
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+        page = spec.page_size_bytes
+        tensor = KVCacheTensor(
+            size=2 * page * blocks, layers=names, layer_stride=page * blocks, block_stride=page
+        )
+        return KVCacheConfig(blocks, [tensor], [KVCacheGroupSpec(names, spec)])
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    assert geometry_from_config(config(spec), "LBHNC", 32).num_blocks == 5
+    with pytest.raises(ElasticKVStartupError, match="rejects vLLM's KV cache geometry: layout"):
+        geometry_from_config(config(spec), "LBCHN", 32)
+    window = FullAttentionSpec(
+        block_size=32, num_kv_heads=2, head_size=16, dtype=torch.float16, sliding_window=64
+    )
+    with pytest.raises(ElasticKVStartupError, match="sliding window 64"):
+        geometry_from_config(config(window), "LBHNC", 32)
+
+
+def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path: Path) -> None:
+    """``kv_cache_dtype="fp8"`` (accepted by vLLM's CPU backend) is refused by the plugin by
+    name; nothing of the engine and no ledger record is left."""
+    from plugin_harness import failing_start
+
+    from elastickv.models import ensure_tiny_model
+
+    model = str(ensure_tiny_model("tiny-llama"))
+    got = failing_start(cache_root, model, {"kv_cache_dtype": "fp8"}, ELASTIC, tmp_path / "l")
+    assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
+    assert "ElasticKVStartupError" in got["stderr"]
+    assert "KV quantization mode FP8_PER_TENSOR with vLLM 0.32" in got["stderr"]
+    assert not got["left"] and got["ledger"] == []

@@ -20,9 +20,8 @@ vLLM keeps its free queue (counts, LRU order, ``touch``); we only choose *which*
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
@@ -82,15 +81,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     # -- admission (scheduler hooks) ---------------------------------------------------------
 
-    @contextlib.contextmanager
-    def allocation_window(self) -> Iterator[None]:
-        """One ``allocate_slots`` call: blocks backed for it and not used go back after."""
+    def open_window(self) -> None:
+        """One ``allocate_slots`` call starts: blocks get backed for it (see :meth:`expect`)."""
         self._in_window = True
-        try:
-            yield
-        finally:
-            self._in_window = False
-            self._need = None
+
+    def close_window(self) -> None:
+        """The call ended: blocks backed for it and not used go back."""
+        self._in_window = False
+        self._need = None
+        if self._stash:
             self._trim_stash(0)
 
     def expect(self, num_blocks: int) -> None:

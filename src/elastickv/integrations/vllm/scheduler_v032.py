@@ -44,8 +44,11 @@ def install() -> None:
             pool = self.block_pool
             if not isinstance(pool, ElasticBlockPool):
                 return original(self, *args, **kwargs)
-            with pool.allocation_window():
+            pool.open_window()  # a plain try/finally: this runs per request per step
+            try:
                 return original(self, *args, **kwargs)
+            finally:
+                pool.close_window()
 
         return allocate_slots
 
