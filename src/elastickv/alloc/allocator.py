@@ -466,8 +466,10 @@ class BlockAllocator:
                     # slab that appears in several runs is simply returned to more than once.
                     for group_slab, group in groupby(blocks, key=self._block_slab.__getitem__):
                         self._return_blocks(group_slab, list(group))
-                    slab = -1
-            if slab >= 0 and slab == self._cursor:
+                    self._frees += 1
+                    self._cap_reserve()
+                    return
+            if slab == self._cursor:
                 free = self._free[slab]
                 before = len(free)
                 if top < self._limit:
@@ -482,40 +484,45 @@ class BlockAllocator:
                     return  # no page changed hands: the reserve is as it was
                 self._check_in()
                 self._last_live_gone(slab)
-                slab = -1
-            if slab >= 0:
-                # One slab (the common case): :meth:`_return_blocks`, inlined.
-                free = self._free[slab]
-                before = len(free)
-                if top < self._limit:
-                    free.extend(run)
-                else:
-                    free.extend(b for b in run if b < self._limit)
-                after = len(free)
-                if after != before:
-                    warm = self._warm
-                    mask = self._warm_mask
-                    if before:
-                        bucket = warm[before]
-                        del bucket[slab]
-                        if not bucket:
-                            mask ^= 1 << before
-                    warm[after][slab] = None
-                    self._warm_mask = mask | 1 << after
-                    self._warm_free += after - before
-                slab_live = self._slab_live
-                slab_live[slab] -= len(run)
-                if not slab_live[slab]:
-                    self._last_live_gone(slab)
+                self._frees += 1
+                self._cap_reserve()
+                return
+            # One slab (the common case): :meth:`_return_blocks`, inlined.
+            free = self._free[slab]
+            before = len(free)
+            if top < self._limit:
+                free.extend(run)
+            else:
+                free.extend(b for b in run if b < self._limit)
+            after = len(free)
+            if after != before:
+                warm = self._warm
+                mask = self._warm_mask
+                if before:
+                    bucket = warm[before]
+                    del bucket[slab]
+                    if not bucket:
+                        mask ^= 1 << before
+                warm[after][slab] = None
+                self._warm_mask = mask | 1 << after
+                self._warm_free += after - before
+            slab_live = self._slab_live
+            slab_live[slab] -= len(run)
             self._frees += 1
-            # Freeing only ever grows the reserve, so only its maximum needs checking.
-            if self._hot_own + len(self._hot_shared) > self._max_hot:
-                # A failed release leaves its pages hot and is recorded in ``last_error``;
-                # the blocks are freed either way, so the caller is not interrupted.
-                with contextlib.suppress(ReleaseError):
-                    self._shrink_hot(self._max_hot)
+            if not slab_live[slab]:
+                self._last_live_gone(slab)
+                self._cap_reserve()
         finally:
             lock.release()
+
+    def _cap_reserve(self) -> None:
+        """After pages joined the reserve: release what is beyond its maximum. Freeing only
+        ever grows the reserve, so only the maximum needs checking. A failed release leaves
+        its pages hot and is recorded in ``last_error``; the blocks are freed either way, so
+        the caller is not interrupted."""
+        if self._hot_own + len(self._hot_shared) > self._max_hot:
+            with contextlib.suppress(ReleaseError):
+                self._shrink_hot(self._max_hot)
 
     def _return_blocks(self, slab: int, blocks: Collection[int]) -> None:
         """Put freed blocks of one live slab back (a live slab is warm: no missing pages)."""
