@@ -16,14 +16,12 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.geometry_v028 import (
@@ -32,20 +30,14 @@ from elastickv.integrations.vllm.geometry_v028 import (
     plan_from_config,
 )
 from elastickv.integrations.vllm.geometry_v032 import verify_views
-from elastickv.integrations.vllm.hooks import wrap_method
-from elastickv.integrations.vllm.shared_pool import (
-    EXPORT_METHOD,
-    IN_PROCESS,
-    PoolExport,
-    geometry_to_wire,
+from elastickv.integrations.vllm.store import PolicyFactory
+from elastickv.integrations.vllm.worker_v032 import (
+    _place,
+    attach_placement,
+    install_runner_hooks,
 )
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
-from elastickv.integrations.vllm.worker_v032 import _place, export_fd
 
 _PERSISTENT = "_elastickv_persistent_kv"
-_POOL = "_elastickv_kv_pool"
-_EXPORT = "_elastickv_kv_export"
-_CHECK = "_elastickv_commit_check"
 
 
 class LayerBackingMode(TorchFunctionMode):
@@ -102,8 +94,6 @@ def _no_connector() -> None:
 
 
 def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
 
     def memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         def determine_available_memory(self: Any) -> int:
@@ -151,47 +141,12 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                     "through torch.zeros(size, int8); this vLLM build breaks the 0.28 contract"
                 )
             verify_views(plan.geometry, list(plan.layers), views, backing)
-            if isinstance(placed, ElasticStore):
-                REGISTRY.publish(placed)
-                export = PoolExport(
-                    pid=os.getpid(),
-                    fd=export_fd(placed),
-                    size_bytes=plan.size_bytes,
-                    page_size=config.page_size,
-                    mapping=IN_PROCESS,
-                    geometry=geometry_to_wire(plan.geometry),
-                )
-            else:
-                export = placed.export(plan.geometry)
-            setattr(self, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
-            setattr(self, _EXPORT, export)
-            if config.check_commits:
-                setattr(self, _CHECK, CommitCheck(export_fd(placed)))
+            attach_placement(self, config, placed, plan.geometry, plan.size_bytes)
             return views
 
         return initialize_kv_cache_tensors
 
-    def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            check: CommitCheck | None = getattr(self, _CHECK, None)
-            if check is None:
-                return original(self, scheduler_output, *args, **kwargs)
-            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
-
-        return execute_model
-
-    def export_kv_pool(self: Any) -> dict[str, Any] | None:
-        """RPC for the engine core: where this worker's KV pool is (None if not elastic)."""
-        export: PoolExport | None = getattr(self.model_runner, _EXPORT, None)
-        return None if export is None else export.to_wire()
-
-    if not hasattr(CPUWorker, EXPORT_METHOD):
-        setattr(CPUWorker, EXPORT_METHOD, export_kv_pool)
-    wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
-    if config.check_commits:
-        wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
+    install_runner_hooks(config, memory_wrapper, init_wrapper, tensors_wrapper)
 
 
 def _group_index(kv_cache_config: Any, layer_name: str) -> int:

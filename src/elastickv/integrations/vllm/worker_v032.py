@@ -92,8 +92,6 @@ def _plain_context(context: Any) -> None:
 
 
 def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
 
     def memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         def determine_available_memory(self: Any) -> int:
@@ -150,25 +148,51 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                     "kv_cache_allocation_context; this vLLM build breaks the 0.32 contract"
                 )
             verify_views(geometry, list(tensor.layers), views, backing)
-            if isinstance(placed, ElasticStore):
-                REGISTRY.publish(placed)
-                export = PoolExport(
-                    pid=os.getpid(),
-                    fd=export_fd(placed),
-                    size_bytes=size,
-                    page_size=config.page_size,
-                    mapping=IN_PROCESS,
-                    geometry=geometry_to_wire(geometry),
-                )
-            else:
-                export = placed.export(geometry)
-            setattr(self, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
-            setattr(self, _EXPORT, export)
-            if config.check_commits:
-                setattr(self, _CHECK, CommitCheck(export_fd(placed)))
+            attach_placement(self, config, placed, geometry, size)
             return views
 
         return initialize_kv_cache_tensors
+
+    install_runner_hooks(config, memory_wrapper, init_wrapper, tensors_wrapper)
+
+
+def attach_placement(
+    runner: Any,
+    config: ElasticConfig,
+    placed: ElasticStore | WorkerPool,
+    geometry: KVCacheGeometry,
+    size: int,
+) -> None:
+    """Hand the placed pool to the scheduler: in-process through the registry, across processes
+    as the export the engine core fetches by RPC. Shared by both vLLM contracts."""
+    if isinstance(placed, ElasticStore):
+        REGISTRY.publish(placed)
+        export = PoolExport(
+            pid=os.getpid(),
+            fd=export_fd(placed),
+            size_bytes=size,
+            page_size=config.page_size,
+            mapping=IN_PROCESS,
+            geometry=geometry_to_wire(geometry),
+        )
+    else:
+        export = placed.export(geometry)
+    setattr(runner, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
+    setattr(runner, _EXPORT, export)
+    if config.check_commits:
+        setattr(runner, _CHECK, CommitCheck(export_fd(placed)))
+
+
+def install_runner_hooks(
+    config: ElasticConfig,
+    memory_wrapper: Callable[..., Any],
+    init_wrapper: Callable[..., Any],
+    tensors_wrapper: Callable[..., Any],
+) -> None:
+    """Wrap the CPU worker and model runner (the same classes in both contracts) with one
+    contract's hooks, plus the export RPC and the optional commit check they share."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
     def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
