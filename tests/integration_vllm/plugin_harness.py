@@ -346,3 +346,22 @@ def failing_start(
         "left": left,
         "ledger": ledger,
     }
+
+
+def assert_footprint_follows_blocks(elastic: dict[str, Any]) -> tuple[int, int]:
+    """An elastic run's kernel footprint grows with live blocks and drains afterwards to the
+    null block's pages plus at most the hot reserve; returns (idle, peak) bytes."""
+    samples = elastic["samples"]
+    peak = max(s["footprint_bytes"] for s in samples)
+    idle = elastic["idle"]["footprint_bytes"]
+    assert peak >= 4 * idle, (idle, peak)
+    # The most-loaded step holds the most memory.
+    busiest = max(samples, key=lambda s: s["live_blocks"])
+    assert busiest["footprint_bytes"] == peak
+    for s in samples:
+        assert s["footprint_bytes"] == s["committed_pages"] * PAGE
+    after = elastic["after"]
+    assert after["live_blocks"] == 0
+    null_pages = elastic["idle"]["committed_pages"]
+    assert after["footprint_bytes"] <= (HOT_MAX_PAGES + null_pages) * PAGE
+    return idle, peak

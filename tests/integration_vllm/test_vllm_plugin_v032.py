@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE
+from plugin_harness import ELASTIC, PAGE, assert_footprint_follows_blocks
 
 from elastickv.integrations.vllm.commit_check import CommitCheck, CommitOrderError
 from elastickv.integrations.vllm.config import ElasticConfig, enabled
@@ -125,19 +125,7 @@ def test_second_model_bf16_identical(runs: EngineRuns) -> None:
 
 def test_footprint_follows_blocks(runs: EngineRuns) -> None:
     elastic = runs("tiny-llama-bf16", *BF16, **ELASTIC)
-    samples = elastic["samples"]
-    peak = max(s["footprint_bytes"] for s in samples)
-    idle = elastic["idle"]["footprint_bytes"]
-    assert peak >= 4 * idle, (idle, peak)
-    # Footprint grows with live blocks: the most-loaded step holds the most memory.
-    busiest = max(samples, key=lambda s: s["live_blocks"])
-    assert busiest["footprint_bytes"] == peak
-    for s in samples:
-        assert s["footprint_bytes"] == s["committed_pages"] * PAGE
-    after = elastic["after"]
-    assert after["live_blocks"] == 0
-    null_pages = elastic["idle"]["committed_pages"]
-    assert after["footprint_bytes"] <= (HOT_MAX_PAGES + null_pages) * PAGE
+    assert_footprint_follows_blocks(elastic)
 
 
 def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
