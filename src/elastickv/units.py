@@ -32,3 +32,16 @@ def format_bytes(n: int | float) -> str:
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}"
     raise AssertionError("unreachable")
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds for ``250ms``, ``30s``, ``5m``, ``1h`` or a plain number of seconds."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"invalid duration {text!r}: use e.g. 250ms, 30s, 5m, 1h")
+    number, unit = match.groups()
+    return float(number) * _SECONDS[(unit or "s").lower()]

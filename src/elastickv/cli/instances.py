@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -21,6 +22,7 @@ from elastickv.cli.ledger_view import (
     user_errors,
 )
 from elastickv.control import DeviceUsage, LedgerSnapshot
+from elastickv.serve.state_file import read_states
 from elastickv.units import format_bytes
 
 
@@ -47,10 +49,12 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     with open_existing(args.device) as ledger, user_errors():
         snap = ledger.snapshot()
+    served = read_states() if args.device == "host" else []
     if args.json:
-        print(json.dumps({"ledger": path, "exists": True, **snapshot_dict(snap)}))
+        print(json.dumps({"ledger": path, "exists": True, **snapshot_dict(snap), "serve": served}))
     else:
-        render_list(snap, Console())
+        console = Console()
+        render_list(snap, console, served)
     return 0
 
 
@@ -67,8 +71,11 @@ def usage_line(usage: DeviceUsage) -> str:
     )
 
 
-def render_list(snap: LedgerSnapshot, console: Console) -> None:
+def render_list(
+    snap: LedgerSnapshot, console: Console, served: Sequence[dict[str, Any]] = ()
+) -> None:
     console.print(usage_line(snap.usage), highlight=False)
+    states = {m["name"]: m["state"] for doc in served for m in doc.get("models", [])}
     if not snap.instances:
         console.print("no instances registered")
         return
@@ -77,6 +84,8 @@ def render_list(snap: LedgerSnapshot, console: Console) -> None:
         table.add_column(column, justify="left" if column in ("NAME", "STATE") else "right")
     for info in snap.instances:
         state = "alive" if info.alive else "dead"
+        if info.name in states:
+            state += f", {states[info.name]}"
         if info.draining:
             state += f", draining {format_bytes(info.over_limit_bytes)}"
         table.add_row(
@@ -88,5 +97,31 @@ def render_list(snap: LedgerSnapshot, console: Console) -> None:
             format_bytes(info.committed_bytes),
             format_bytes(info.reserved_bytes),
             state,
+        )
+    console.print(table)
+    for doc in served:
+        render_served(doc, console)
+
+
+def render_served(doc: dict[str, Any], console: Console) -> None:
+    """One running ``elastickv serve``: its endpoint, budget and models (stopped ones too)."""
+    console.print(
+        f"elastickv serve (pid {doc['pid']}) at {doc['url']}/v1, KV budget "
+        f"{format_bytes(doc['budget_bytes'])}",
+        highlight=False,
+    )
+    table = Table(box=None, pad_edge=False)
+    for column in ("MODEL", "STATE", "USED", "LIMIT", "MIN", "CAP", "IN-FLIGHT", "WAITING"):
+        table.add_column(column, justify="left" if column in ("MODEL", "STATE") else "right")
+    for m in doc.get("models", []):
+        table.add_row(
+            m["name"],
+            m["state"],
+            "-" if m["committed_bytes"] is None else format_bytes(m["committed_bytes"]),
+            "-" if m["limit_bytes"] is None else format_bytes(m["limit_bytes"]),
+            format_bytes(m["min_kv"]),
+            format_bytes(m["cap"]),
+            str(m["in_flight"]),
+            str(m["waiting"]),
         )
     console.print(table)

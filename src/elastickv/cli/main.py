@@ -16,6 +16,7 @@ from elastickv.cli.errors import UserError
 
 # command -> (module that registers it, one-line help for the top-level listing)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("elastickv.cli.serve", "serve several models on one device behind one endpoint"),
     "layout": ("elastickv.cli.layout", "inspect KV-cache layouts"),
     "demo": ("elastickv.cli.demo", "run the geometry on built-in models in every layout"),
     "list": ("elastickv.cli.instances", "list the elastic instances on a device"),

@@ -30,6 +30,7 @@ from elastickv.cli.ledger_view import (
 )
 from elastickv.cli.top_view import render_frame
 from elastickv.control import Ledger, LedgerError, LedgerSnapshot
+from elastickv.serve.state_file import model_states
 
 QUIT_KEYS = frozenset(b"qQ")
 
@@ -145,6 +146,7 @@ def run_top(args: argparse.Namespace) -> int:
                 problem=problem,
                 quit_hint=not args.once,
                 columns=console.width,
+                served=model_states() if args.device == "host" else {},
             )
 
         if args.once:

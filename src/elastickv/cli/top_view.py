@@ -6,6 +6,7 @@ Kept apart from the terminal loop so a frame can be rendered (and tested) on its
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -45,10 +46,15 @@ def _percent(part: int, whole: int) -> str:
     return f"{100 * part / whole:5.1f}%" if whole > 0 else "    -"
 
 
-def _instance_state(info: InstanceInfo) -> Text:
+def _instance_state(info: InstanceInfo, served: str | None = None) -> Text:
+    """The limit (or draining), and the model's state when ``elastickv serve`` runs it."""
     if info.draining:
-        return Text(f"draining {format_bytes(info.over_limit_bytes)}", style="bold red")
-    return Text(f"limit {limit_text(info.limit_desired)} r{info.limit_revision}")
+        text = Text(f"draining {format_bytes(info.over_limit_bytes)}", style="bold red")
+    else:
+        text = Text(f"limit {limit_text(info.limit_desired)} r{info.limit_revision}")
+    if served is not None:
+        text.append(f" {served}", style="cyan")
+    return text
 
 
 def bar_width(columns: int) -> int:
@@ -64,9 +70,11 @@ def render_frame(
     problem: str | None = None,
     quit_hint: bool = True,
     columns: int = 80,
+    served: Mapping[str, str] | None = None,
 ) -> RenderableType:
     """The whole screen: a title line, the device total, then one bar per instance, or the
-    reason there is nothing to show (no ledger yet, a damaged ledger)."""
+    reason there is nothing to show (no ledger yet, a damaged ledger). ``served`` maps the
+    names of models run by ``elastickv serve`` to their state (serving, kv-released, …)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(snap.taken_at if snap else time.time()))
     title = Text.assemble(
         ("elastickv top", "bold"),
@@ -102,7 +110,7 @@ def render_frame(
             ),
             f"{format_bytes(info.used_bytes)} / {format_bytes(info.limit_effective)}",
             _percent(info.used_bytes, info.limit_effective),
-            _instance_state(info),
+            _instance_state(info, (served or {}).get(info.name)),
         )
     legend = Text.assemble(
         (COMMITTED, "green"),

@@ -31,16 +31,16 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
     contract = detect_contract()
     with _install_lock:
         if contract is Contract.V032:
-            from elastickv.integrations.vllm import engine_v032, scheduler_v032, worker_v032
+            from elastickv.integrations.vllm import engine_core, scheduler_v032, worker_v032
 
             worker_v032.install(config, policy_factory)
-            engine_v032.install(config, policy_factory)
+            engine_core.install(config, policy_factory)
             scheduler_v032.install()
         elif contract is Contract.V028:
-            from elastickv.integrations.vllm import engine_v032, scheduler_v028, worker_v028
+            from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028
 
             worker_v028.install(config, policy_factory)
-            engine_v032.install(config, policy_factory)  # same EngineCore hook in 0.28
+            engine_core.install(config, policy_factory)  # same EngineCore hook in 0.28
             scheduler_v028.install()
     logger.info(
         "elastickv: vLLM %s, %s contract, page %d B, hot %d..%d pages, virtual %d B, budget %s",

@@ -31,13 +31,13 @@ from elastickv.integrations.vllm.geometry_v028 import (
 )
 from elastickv.integrations.vllm.geometry_v032 import verify_views
 from elastickv.integrations.vllm.store import PolicyFactory
-from elastickv.integrations.vllm.worker_v032 import (
-    _place,
+from elastickv.integrations.vllm.worker import (
+    PERSISTENT_MARK,
     attach_placement,
+    group_index,
     install_runner_hooks,
+    place,
 )
-
-_PERSISTENT = "_elastickv_persistent_kv"
 
 
 class LayerBackingMode(TorchFunctionMode):
@@ -106,11 +106,11 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
     def init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def initialize_kv_cache(self: Any, kv_cache_config: Any, is_profiling: bool = False) -> Any:
-            setattr(self, _PERSISTENT, not is_profiling)
+            setattr(self, PERSISTENT_MARK, not is_profiling)
             try:
                 return original(self, kv_cache_config, is_profiling)
             finally:
-                setattr(self, _PERSISTENT, False)
+                setattr(self, PERSISTENT_MARK, False)
 
         return initialize_kv_cache
 
@@ -118,15 +118,15 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         def initialize_kv_cache_tensors(
             self: Any, kv_cache_config: Any, kernel_block_sizes: list[int]
         ) -> Any:
-            if not getattr(self, _PERSISTENT, False):
+            if not getattr(self, PERSISTENT_MARK, False):
                 return original(self, kv_cache_config, kernel_block_sizes)
             _no_connector()
             layers, _ = per_layer_tensors(kv_cache_config)
             backend = backend_of(self.attn_groups, layers)
-            group = _group_index(kv_cache_config, layers[0])
+            group = group_index(kv_cache_config, layers[0])
             kbs = kernel_block_sizes[group] if group < len(kernel_block_sizes) else None
             plan = plan_from_config(kv_cache_config, backend, kbs)
-            placed = _place(self, config, plan.geometry, plan.size_bytes, policy_factory)
+            placed = place(self, config, plan.geometry, plan.size_bytes, policy_factory)
             backing = placed.backing()
             slices = [
                 backing[i * plan.layer_bytes : (i + 1) * plan.layer_bytes]
@@ -147,10 +147,3 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         return initialize_kv_cache_tensors
 
     install_runner_hooks(config, memory_wrapper, init_wrapper, tensors_wrapper)
-
-
-def _group_index(kv_cache_config: Any, layer_name: str) -> int:
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        if layer_name in group.layer_names:
-            return index
-    raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")

@@ -17,15 +17,12 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from elastickv.geometry import KVCacheGeometry
-from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.geometry_v032 import (
@@ -33,21 +30,14 @@ from elastickv.integrations.vllm.geometry_v032 import (
     single_tensor,
     verify_views,
 )
-from elastickv.integrations.vllm.hooks import wrap_method
-from elastickv.integrations.vllm.registration import describe_engine
-from elastickv.integrations.vllm.shared_pool import (
-    EXPORT_METHOD,
-    IN_PROCESS,
-    PoolExport,
-    WorkerPool,
-    geometry_to_wire,
+from elastickv.integrations.vllm.store import PolicyFactory
+from elastickv.integrations.vllm.worker import (
+    PERSISTENT_MARK,
+    attach_placement,
+    group_index,
+    install_runner_hooks,
+    place,
 )
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
-
-_PERSISTENT = "_elastickv_persistent_kv"
-_POOL = "_elastickv_kv_pool"
-_EXPORT = "_elastickv_kv_export"
-_CHECK = "_elastickv_commit_check"
 
 
 class BackingMode(TorchFunctionMode):
@@ -109,7 +99,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         ) -> Any:
             if not is_profiling:
                 _plain_context(kv_cache_allocation_context)
-            setattr(self, _PERSISTENT, not is_profiling)
+            setattr(self, PERSISTENT_MARK, not is_profiling)
             try:
                 return original(
                     self,
@@ -118,7 +108,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                     kv_cache_allocation_context=kv_cache_allocation_context,
                 )
             finally:
-                setattr(self, _PERSISTENT, False)
+                setattr(self, PERSISTENT_MARK, False)
 
         return initialize_kv_cache
 
@@ -129,16 +119,16 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
             kernel_block_sizes: list[int],
             kv_cache_allocation_context: Any = None,
         ) -> Any:
-            if not getattr(self, _PERSISTENT, False):
+            if not getattr(self, PERSISTENT_MARK, False):
                 return original(
                     self, kv_cache_config, kernel_block_sizes, kv_cache_allocation_context
                 )
             tensor = single_tensor(kv_cache_config)
-            group = _group_index(kv_cache_config, tensor.layers[0])
+            group = group_index(kv_cache_config, tensor.layers[0])
             layout = self.cache_config.get_resolved_kv_cache_layout().name
             geometry = geometry_from_config(kv_cache_config, layout, kernel_block_sizes[group])
             size = int(tensor.size)
-            placed = _place(self, config, geometry, size, policy_factory)
+            placed = place(self, config, geometry, size, policy_factory)
             backing = placed.backing()
             mode = BackingMode(backing)
             views = original(self, kv_cache_config, kernel_block_sizes, mode)
@@ -154,94 +144,3 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         return initialize_kv_cache_tensors
 
     install_runner_hooks(config, memory_wrapper, init_wrapper, tensors_wrapper)
-
-
-def attach_placement(
-    runner: Any,
-    config: ElasticConfig,
-    placed: ElasticStore | WorkerPool,
-    geometry: KVCacheGeometry,
-    size: int,
-) -> None:
-    """Hand the placed pool to the scheduler: in-process through the registry, across processes
-    as the export the engine core fetches by RPC. Shared by both vLLM contracts."""
-    if isinstance(placed, ElasticStore):
-        REGISTRY.publish(placed)
-        export = PoolExport(
-            pid=os.getpid(),
-            fd=export_fd(placed),
-            size_bytes=size,
-            page_size=config.page_size,
-            mapping=IN_PROCESS,
-            geometry=geometry_to_wire(geometry),
-        )
-    else:
-        export = placed.export(geometry)
-    setattr(runner, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
-    setattr(runner, _EXPORT, export)
-    if config.check_commits:
-        setattr(runner, _CHECK, CommitCheck(export_fd(placed)))
-
-
-def install_runner_hooks(
-    config: ElasticConfig,
-    memory_wrapper: Callable[..., Any],
-    init_wrapper: Callable[..., Any],
-    tensors_wrapper: Callable[..., Any],
-) -> None:
-    """Wrap the CPU worker and model runner (the same classes in both contracts) with one
-    contract's hooks, plus the export RPC and the optional commit check they share."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
-
-    def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            check: CommitCheck | None = getattr(self, _CHECK, None)
-            if check is None:
-                return original(self, scheduler_output, *args, **kwargs)
-            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
-
-        return execute_model
-
-    def export_kv_pool(self: Any) -> dict[str, Any] | None:
-        """RPC for the engine core: where this worker's KV pool is (None if not elastic)."""
-        export: PoolExport | None = getattr(self.model_runner, _EXPORT, None)
-        return None if export is None else export.to_wire()
-
-    if not hasattr(CPUWorker, EXPORT_METHOD):
-        setattr(CPUWorker, EXPORT_METHOD, export_kv_pool)
-    wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
-    if config.check_commits:
-        wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
-
-
-def _place(
-    runner: Any,
-    config: ElasticConfig,
-    geometry: KVCacheGeometry,
-    size: int,
-    policy_factory: PolicyFactory,
-) -> ElasticStore | WorkerPool:
-    """A strict range shared with the scheduler when it runs in this process (vLLM's ``uni``
-    executor), else a pool the engine core attaches to (see :mod:`.shared_pool`)."""
-    backend = runner.vllm_config.parallel_config.distributed_executor_backend
-    if backend == "uni":
-        describe_engine(runner.vllm_config)  # the scheduler is in this process: register here
-        return ElasticStore.create(config, geometry, size, policy_factory)
-    return WorkerPool.create(config, size)
-
-
-def export_fd(placed: ElasticStore | WorkerPool) -> int:
-    """The memfd behind the placed KV cache, in this process."""
-    if isinstance(placed, ElasticStore):
-        return placed.vmm_range.pool.fd
-    return placed.pool.fd
-
-
-def _group_index(kv_cache_config: Any, layer_name: str) -> int:
-    for index, group in enumerate(kv_cache_config.kv_cache_groups):
-        if layer_name in group.layer_names:
-            return index
-    raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")

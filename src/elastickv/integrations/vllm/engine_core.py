@@ -1,4 +1,4 @@
-"""Engine-core hook for vLLM 0.32: connect the scheduler to the worker's KV pool.
+"""Engine-core hooks (the same in vLLM 0.28 and 0.32).
 
 ``EngineCore._initialize_kv_caches`` runs in the process that then builds the scheduler,
 right after the workers allocated their KV caches. We wrap it to ask the worker (by
@@ -6,11 +6,16 @@ right after the workers allocated their KV caches. We wrap it to ask the worker 
 open that pool and publish a store for the scheduler's :class:`ElasticBlockPool`. Doing it
 here keeps the order vLLM already guarantees: pool exists → scheduler built → blocks handed
 out.
+
+``EngineCoreProc.run_busy_loop`` (the engine core as its own process) gets two guards: a
+limit lowered while the engine idles is applied from the engine's own thread
+(:mod:`.idle_ticks`), and the engine core stops when its parent dies (:mod:`.watchdog`).
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +23,7 @@ from typing import Any
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.idle_ticks import tick_while_idle
 from elastickv.integrations.vllm.registration import describe_engine
 from elastickv.integrations.vllm.shared_pool import (
     EXPORT_METHOD,
@@ -27,6 +33,7 @@ from elastickv.integrations.vllm.shared_pool import (
     open_exported,
 )
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
+from elastickv.integrations.vllm.watchdog import ParentWatchdog
 
 logger = logging.getLogger(__name__)
 
@@ -77,3 +84,33 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         return _initialize_kv_caches
 
     wrap_method(EngineCore, "_initialize_kv_caches", init_wrapper)
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    def loop_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def run_busy_loop(self: Any) -> Any:
+            guard_process(self)
+            return original(self)
+
+        return run_busy_loop
+
+    wrap_method(EngineCoreProc, "run_busy_loop", loop_wrapper)
+
+
+def guard_process(engine_core: Any) -> None:
+    """Before the engine core's loop: the parent watchdog (when vLLM started this process as
+    a child) and idle ticks that apply the live limit (when the scheduler is elastic)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        ParentWatchdog(parent.pid).start()
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    scheduler = getattr(engine_core, "scheduler", None)
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    if isinstance(pool, ElasticBlockPool) and not tick_while_idle(
+        getattr(engine_core, "input_queue", None), pool.sync_limit
+    ):
+        logger.warning(
+            "elastickv: cannot watch this engine core's input queue; a limit lowered while "
+            "it idles applies at its next request"
+        )

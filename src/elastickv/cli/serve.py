@@ -1,0 +1,130 @@
+"""``elastickv serve``: several models on one device behind one OpenAI endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Any
+
+from elastickv.cli.errors import UserError
+from elastickv.units import format_bytes
+
+
+def register(commands: Any) -> None:
+    p = commands.add_parser(
+        "serve",
+        help="serve several models on one device, sharing its KV memory by demand",
+        description="Start one vLLM OpenAI server per model (ELASTICKV=1), share a KV budget "
+        "between them by demand, and route /v1/completions and /v1/chat/completions by the "
+        "request's `model` behind one endpoint. Without --config or --model it serves two "
+        "built-in tiny models. See docs/serve.md.",
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML configuration (see docs/serve.md)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="[NAME=]SOURCE",
+        help="a model directory or built-in tiny model name to serve (repeat for several)",
+    )
+    p.add_argument("--budget", help="KV bytes all models share, e.g. 8G")
+    p.add_argument("--min-kv", help="with --model: KV bytes guaranteed to each model")
+    p.add_argument("--max-kv", help="with --model: most KV bytes one model may hold")
+    p.add_argument("--page-size", help="commit/release unit, e.g. 2M (default) or 64K")
+    p.add_argument("--host", help="router address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="router port (default 8080)")
+    p.add_argument("--python", help="Python interpreter with vLLM and elastickv for the engines")
+    p.add_argument("--log-dir", help="where engine logs go (default: a new temporary folder)")
+    p.add_argument(
+        "--check", action="store_true", help="validate the configuration, print it, start nothing"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log arbiter decisions too")
+    p.set_defaults(run=run_serve)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from elastickv.serve.config import ServeConfigError, config_from_flags, load_config
+    from elastickv.units import parse_size
+
+    try:
+        overrides: dict[str, Any] = {
+            "host": args.host,
+            "port": args.port,
+            "python": args.python,
+            "log_dir": args.log_dir,
+            "budget": None if args.budget is None else parse_size(args.budget),
+            "page_size": None if args.page_size is None else parse_size(args.page_size),
+        }
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        if args.config:
+            if args.model or args.min_kv or args.max_kv:
+                raise UserError("--model, --min-kv and --max-kv cannot be combined with --config")
+            return load_config(args.config, **overrides)
+        return config_from_flags(args.model, min_kv=args.min_kv, max_kv=args.max_kv, **overrides)
+    except ServeConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _describe(config: Any) -> str:
+    lines = [
+        f"router http://{config.host}:{config.port}/v1, KV budget {format_bytes(config.budget)}, "
+        f"page {format_bytes(config.page_size)} ({config.source})"
+    ]
+    for m in config.models:
+        stop = "never" if m.pinned or m.stop_after_s is None else f"{m.stop_after_s:g}s"
+        release = "never" if m.release_after_s is None else f"{m.release_after_s:g}s"
+        lines.append(
+            f"  {m.name}: {m.source}  min_kv {format_bytes(m.min_kv)}  cap "
+            f"{format_bytes(config.cap_of(m))}  priority {m.priority}  release after {release}"
+            f"  stop after {stop}" + (f"  args {' '.join(m.args)}" if m.args else "")
+        )
+    return "\n".join(lines)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = _config(args)
+    if args.check:
+        print(_describe(config))
+        return 0
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s elastickv serve: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+    )
+    logging.getLogger("aiohttp").setLevel(logging.WARNING)
+    print(_describe(config), file=sys.stderr, flush=True)
+    from elastickv.serve.app import ServeApp, ServeError
+
+    app = ServeApp(config)
+    try:
+        asyncio.run(_main(app))
+    except ServeError as exc:
+        raise UserError(str(exc)) from None
+    finally:
+        app.kill()  # whatever is left (an exception mid-start): nothing outlives serve
+    return 0
+
+
+async def _main(app: Any) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            app.kill()  # a second Ctrl-C: no more waiting
+            sys.exit(130)
+        logging.getLogger("elastickv.serve").info("stopping (again to kill at once)")
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await app.run(stop)

@@ -1,0 +1,66 @@
+"""The engine core exits when the process that started it is gone.
+
+vLLM's API server starts the engine core as a child; killed with ``kill -9`` it cannot stop
+it, and the orphaned engine core (and its worker) would keep running and keep its committed
+KV memory forever. :class:`ParentWatchdog` notices the parent's death (the process is
+reparented) within ``interval`` seconds and asks the engine core to stop the way a SIGTERM
+does, so vLLM shuts down cleanly and the scheduler unregisters from the ledger; if that does
+not finish within ``grace_s``, it kills the engine core's children and then itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+
+class ParentWatchdog:
+    """A daemon thread owned by one engine-core process; :meth:`stop` ends it."""
+
+    def __init__(self, parent_pid: int, *, interval: float = 0.2, grace_s: float = 10.0) -> None:
+        self.parent_pid = parent_pid
+        self.interval = interval
+        self.grace_s = grace_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="elastickv-parent-watchdog", daemon=True
+        )
+
+    def start(self) -> ParentWatchdog:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def parent_alive(self) -> bool:
+        """The parent is alive while this process is still its child (not reparented)."""
+        return os.getppid() == self.parent_pid
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            if not self.parent_alive():
+                self._shut_down()
+                return
+
+    def _shut_down(self) -> None:
+        logger.warning(
+            "elastickv: the parent of this vLLM engine core (pid %d) is gone; shutting the "
+            "engine down so its KV memory returns",
+            self.parent_pid,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own shutdown path
+        if self._stop.wait(self.grace_s):
+            return
+        logger.error("elastickv: the engine core did not stop in %.0f s; killing it", self.grace_s)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os.kill(os.getpid(), signal.SIGKILL)

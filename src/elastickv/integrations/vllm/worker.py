@@ -1,0 +1,125 @@
+"""Worker-side machinery shared by both vLLM contracts (0.28 and 0.32) on the CPU backend.
+
+Each contract's module (:mod:`.worker_v028`, :mod:`.worker_v032`) supplies only the three
+wrappers that differ (available memory, the persistent-allocation mark, the KV tensor
+placement); this module places the pool (in-process store or a pool the engine core attaches
+to), publishes it, installs the wrappers on vLLM's CPU classes, and adds the export RPC and
+the optional commit check.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from elastickv.geometry import KVCacheGeometry
+from elastickv.integrations.vllm.commit_check import CommitCheck
+from elastickv.integrations.vllm.config import ElasticConfig
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.registration import describe_engine
+from elastickv.integrations.vllm.shared_pool import (
+    EXPORT_METHOD,
+    IN_PROCESS,
+    PoolExport,
+    WorkerPool,
+    geometry_to_wire,
+)
+from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
+
+PERSISTENT_MARK = "_elastickv_persistent_kv"
+_POOL = "_elastickv_kv_pool"
+_EXPORT = "_elastickv_kv_export"
+_CHECK = "_elastickv_commit_check"
+
+
+def attach_placement(
+    runner: Any,
+    config: ElasticConfig,
+    placed: ElasticStore | WorkerPool,
+    geometry: KVCacheGeometry,
+    size: int,
+) -> None:
+    """Hand the placed pool to the scheduler: in-process through the registry, across processes
+    as the export the engine core fetches by RPC. Shared by both vLLM contracts."""
+    if isinstance(placed, ElasticStore):
+        REGISTRY.publish(placed)
+        export = PoolExport(
+            pid=os.getpid(),
+            fd=export_fd(placed),
+            size_bytes=size,
+            page_size=config.page_size,
+            mapping=IN_PROCESS,
+            geometry=geometry_to_wire(geometry),
+        )
+    else:
+        export = placed.export(geometry)
+    setattr(runner, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
+    setattr(runner, _EXPORT, export)
+    if config.check_commits:
+        setattr(runner, _CHECK, CommitCheck(export_fd(placed)))
+
+
+def install_runner_hooks(
+    config: ElasticConfig,
+    memory_wrapper: Callable[..., Any],
+    init_wrapper: Callable[..., Any],
+    tensors_wrapper: Callable[..., Any],
+) -> None:
+    """Wrap the CPU worker and model runner (the same classes in both contracts) with one
+    contract's hooks, plus the export RPC and the optional commit check they share."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            check: CommitCheck | None = getattr(self, _CHECK, None)
+            if check is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
+
+        return execute_model
+
+    def export_kv_pool(self: Any) -> dict[str, Any] | None:
+        """RPC for the engine core: where this worker's KV pool is (None if not elastic)."""
+        export: PoolExport | None = getattr(self.model_runner, _EXPORT, None)
+        return None if export is None else export.to_wire()
+
+    if not hasattr(CPUWorker, EXPORT_METHOD):
+        setattr(CPUWorker, EXPORT_METHOD, export_kv_pool)
+    wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
+    wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
+    wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
+    if config.check_commits:
+        wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
+
+
+def place(
+    runner: Any,
+    config: ElasticConfig,
+    geometry: KVCacheGeometry,
+    size: int,
+    policy_factory: PolicyFactory,
+) -> ElasticStore | WorkerPool:
+    """A strict range shared with the scheduler when it runs in this process (vLLM's ``uni``
+    executor), else a pool the engine core attaches to (see :mod:`.shared_pool`)."""
+    backend = runner.vllm_config.parallel_config.distributed_executor_backend
+    if backend == "uni":
+        describe_engine(runner.vllm_config)  # the scheduler is in this process: register here
+        return ElasticStore.create(config, geometry, size, policy_factory)
+    return WorkerPool.create(config, size)
+
+
+def export_fd(placed: ElasticStore | WorkerPool) -> int:
+    """The memfd behind the placed KV cache, in this process."""
+    if isinstance(placed, ElasticStore):
+        return placed.vmm_range.pool.fd
+    return placed.pool.fd
+
+
+def group_index(kv_cache_config: Any, layer_name: str) -> int:
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if layer_name in group.layer_names:
+            return index
+    raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")

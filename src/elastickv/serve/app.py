@@ -1,0 +1,334 @@
+"""``elastickv serve`` put together: checks, router, engines, arbiter, idle policy, shutdown.
+
+Order matters for "a clear error, nothing left running": everything that can be checked is
+checked before the first process starts (configuration, the engine Python, model paths, the
+ledger, the router's port — bound first), and any failure after that stops what did start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from elastickv.control import Ledger, LedgerError, open_ledger
+from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
+from elastickv.serve.config import ModelConfig, ServeConfig
+from elastickv.serve.engine import EngineStartError, build_launch, free_port, log_path
+from elastickv.serve.metrics import ModelReading, ServeMetrics
+from elastickv.serve.model import ModelHooks, ModelState, ServedModel
+from elastickv.serve.python_env import EnginePythonError, find_engine_python
+from elastickv.serve.router import Router
+from elastickv.serve.state_file import remove_state, write_state
+from elastickv.units import format_bytes
+
+logger = logging.getLogger("elastickv.serve")
+IDLE_CHECK_S = 0.5
+
+
+class ServeError(RuntimeError):
+    """``serve`` cannot start or keep going; the message says why (nothing is left running)."""
+
+
+_ACTIVITY = {
+    ModelState.IDLE: Activity.IDLE,
+    ModelState.KV_RELEASED: Activity.RELEASED,
+}
+
+
+class ServeApp:
+    """One ``elastickv serve`` process."""
+
+    def __init__(self, config: ServeConfig, *, ledger_dir: str | None = None) -> None:
+        self.config = config
+        self.ledger_dir = ledger_dir or os.environ.get("ELASTICKV_LEDGER_DIR") or None
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="elastickv-serve-"))
+        self.pythons: dict[str, str] = {}
+        self.paths: dict[str, str] = {}
+        self.models: dict[str, ServedModel] = {}
+        self.ledger: Ledger | None = None
+        self.arbiter: MemoryArbiter | None = None
+        self.metrics = ServeMetrics(self._readings)
+        self.url = f"http://{config.host}:{config.port}"
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._state_dirty = True
+
+    # -- before anything starts -----------------------------------------------------------------
+
+    def check(self) -> None:
+        """Everything that can fail before a process starts; raises ServeError."""
+        try:
+            for model in self.config.models:
+                self.pythons[model.name] = find_engine_python(model.python, self.config.python)
+        except EnginePythonError as exc:
+            raise ServeError(str(exc)) from None
+        for model in self.config.models:
+            self.paths[model.name] = self._model_path(model)
+
+    def _model_path(self, model: ModelConfig) -> str:
+        if not model.builtin:
+            return str(Path(model.source).expanduser().resolve())
+        try:
+            from elastickv.models import ensure_tiny_model
+
+            return str(ensure_tiny_model(model.source))
+        except ImportError:  # this interpreter lacks the [models] extra: the engine's has it
+            code = (
+                "import sys; from elastickv.models import ensure_tiny_model; "
+                "print(ensure_tiny_model(sys.argv[1]))"
+            )
+            proc = subprocess.run(
+                [self.pythons[model.name], "-c", code, model.source],
+                capture_output=True, text=True, timeout=300, check=False,
+            )  # fmt: skip
+            if proc.returncode != 0:
+                raise ServeError(
+                    f"cannot build the built-in model {model.source!r}: {proc.stderr[-2000:]}"
+                ) from None
+            return proc.stdout.strip().splitlines()[-1]
+
+    def _open_ledger(self) -> Ledger:
+        try:
+            ledger = open_ledger("host", directory=self.ledger_dir)
+        except (LedgerError, ValueError, OSError) as exc:
+            raise ServeError(f"cannot open the host ledger: {exc}") from None
+        try:
+            taken = {i.name: i.pid for i in ledger.list_instances()}
+            clash = [f"{n!r} (pid {taken[n]})" for n in self.config.names() if n in taken]
+            if clash:
+                raise ServeError(
+                    f"the ledger {ledger.path} already has live instances named "
+                    f"{', '.join(clash)}; stop them or serve under other names"
+                )
+            usage = ledger.device_usage()
+            if self.config.budget > usage.available_bytes:
+                raise ServeError(
+                    f"[device] budget = {format_bytes(self.config.budget)} is more than the "
+                    f"host ledger has available ({format_bytes(usage.available_bytes)} of "
+                    f"{format_bytes(usage.budget_bytes)}; see `elastickv list`)"
+                )
+        except BaseException:
+            ledger.close()
+            raise
+        return ledger
+
+    # -- running --------------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Serve until ``stop`` is set; every process started is stopped on the way out."""
+        self.check()
+        self.ledger = self._open_ledger()
+        try:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                auto_decompress=False,
+            )
+            self._build_models()
+            await self._bind_router()
+            self._tasks.append(asyncio.create_task(self._background()))
+            for model in self.models.values():
+                try:
+                    await model.boot()
+                except EngineStartError as exc:
+                    raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
+                if stop.is_set():
+                    return
+            logger.info(
+                "serving %s at %s/v1 (KV budget %s)",
+                ", ".join(self.models), self.url, format_bytes(self.config.budget),
+            )  # fmt: skip
+            await stop.wait()
+        finally:
+            await self.shutdown()
+
+    def _build_models(self) -> None:
+        assert self._session is not None
+        hooks = ModelHooks(
+            launch=self._launch,
+            session=self._session,
+            changed=self._changed,
+            restore_kv=self._restore_kv,
+            release_kv=self._release_kv,
+            engine_ready=self._engine_ready,
+            woke=lambda name, tier, s: self.metrics.wake.labels(name, tier).observe(s),
+        )
+        for m in self.config.models:
+            self.models[m.name] = ServedModel(
+                m, hooks, queue_limit=self.config.queue_limit,
+                wake_timeout_s=self.config.wake_timeout_s,
+            )  # fmt: skip
+        assert self.ledger is not None
+        views = self._views()
+        self.arbiter = MemoryArbiter(
+            self.ledger, self.config.budget, views, self._views, self.config.page_size
+        )
+
+    async def _bind_router(self) -> None:
+        assert self._session is not None
+        router = Router(self.models, self.metrics, self._session, self.describe)
+        self._runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        try:
+            await site.start()
+        except OSError as exc:
+            raise ServeError(
+                f"cannot listen on {self.config.host}:{self.config.port}: {exc.strerror or exc}; "
+                "choose another port with --port or [router] port"
+            ) from None
+        if self.config.port == 0:  # an ephemeral port: report the real one
+            server = site._server
+            sockets = getattr(server, "sockets", None) or []
+            if sockets:
+                self.url = f"http://{self.config.host}:{sockets[0].getsockname()[1]}"
+        logger.info("router listening at %s", self.url)
+
+    def _launch(self, model: ModelConfig) -> Any:
+        return build_launch(
+            self.config, model, python=self.pythons[model.name],
+            model_path=self.paths[model.name], port=free_port(), log_dir=self.log_dir,
+        )  # fmt: skip
+
+    async def _background(self) -> None:
+        assert self.arbiter is not None
+        arbiter = asyncio.create_task(self.arbiter.run())
+        try:
+            while True:
+                now = time.monotonic()
+                for model in list(self.models.values()):
+                    await model.apply_idle_policy(now)
+                if self._state_dirty:
+                    self._state_dirty = False
+                    self._publish()
+                await asyncio.sleep(IDLE_CHECK_S)
+        finally:
+            arbiter.cancel()
+
+    async def shutdown(self) -> None:
+        """Stop the router, every engine (SIGTERM, then SIGKILL), the loops; idempotent."""
+        for task in self._tasks:
+            task.cancel()
+        self._tasks.clear()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        try:
+            await asyncio.gather(*(m.stop(final=True) for m in self.models.values()))
+        finally:
+            self.kill()
+            if self._session is not None:
+                await self._session.close()
+                self._session = None
+            remove_state(self.ledger_dir)
+            if self.ledger is not None:
+                self.ledger.close()
+                self.ledger = None
+
+    def kill(self) -> None:
+        for model in self.models.values():
+            model.kill()
+
+    # -- hooks the models call ------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        self._state_dirty = True
+        if self.arbiter is not None:
+            self.arbiter.kick()
+
+    async def _restore_kv(self, name: str) -> None:
+        model = self.models[name]
+        assert self.arbiter is not None
+        self.arbiter.set_limit(name, model.config.min_kv)
+
+    async def _release_kv(self, name: str) -> None:
+        model = self.models[name]
+        assert self.arbiter is not None
+        self.arbiter.set_limit(name, max(model.floor_bytes, 1))
+
+    async def _engine_ready(self, name: str) -> None:
+        """Right after the engine's first health: what it holds now is its floor."""
+        assert self.arbiter is not None
+        self.models[name].floor_bytes = self.arbiter.committed_of(name) or 0
+
+    def _views(self) -> list[ModelView]:
+        views = []
+        for m in self.config.models:
+            served = self.models.get(m.name)
+            state = served.state if served is not None else ModelState.STOPPED
+            active = served is not None and (served.in_flight > 0 or served.waiting > 0)
+            activity = Activity.ACTIVE if active else _ACTIVITY.get(state, Activity.DOWN)
+            if state in (ModelState.STARTING, ModelState.STOPPED, ModelState.FAILED):
+                activity = Activity.DOWN
+            views.append(
+                ModelView(
+                    m.name, m.min_kv, self.config.cap_of(m), m.priority, activity,
+                    served.floor_bytes if served is not None else 0,
+                )
+            )  # fmt: skip
+        return views
+
+    # -- what operators see ---------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        records = self.arbiter.records if self.arbiter is not None else {}
+        models = []
+        for m in self.models.values():
+            info = records.get(m.name)
+            models.append(
+                {
+                    "name": m.name,
+                    "state": m.state.value,
+                    "source": m.config.source,
+                    "engine_pid": None if m.engine is None else m.engine.pid,
+                    "port": None if m.engine is None else m.engine.launch.port,
+                    "in_flight": m.in_flight,
+                    "waiting": m.waiting,
+                    "min_kv": m.config.min_kv,
+                    "cap": self.config.cap_of(m.config),
+                    "priority": m.config.priority,
+                    "pinned": m.config.pinned,
+                    "restarts": m.restarts,
+                    "committed_bytes": None if info is None else info.used_bytes,
+                    "limit_bytes": None if info is None else info.limit_desired,
+                    "log": str(log_path(self.log_dir, m.name)),
+                }
+            )
+        return {"url": self.url, "budget_bytes": self.config.budget, "models": models}
+
+    def _publish(self) -> None:
+        with contextlib.suppress(OSError):
+            write_state(self.describe(), self.ledger_dir)
+
+    def _readings(self) -> tuple[int, Sequence[ModelReading]]:
+        arbiter = self.arbiter
+        records = arbiter.records if arbiter is not None else {}
+        readings = []
+        for m in self.models.values():
+            info = records.get(m.name)
+            readings.append(
+                ModelReading(
+                    name=m.name,
+                    state=m.state.value,
+                    in_flight=m.in_flight,
+                    waiting=m.waiting,
+                    committed_bytes=0 if info is None else info.used_bytes,
+                    limit_bytes=None if info is None else info.limit_desired,
+                    refusals=0 if info is None else info.refusals,
+                    restarts=m.restarts,
+                    limit_raises=0 if arbiter is None else arbiter.raises[m.name],
+                    limit_cuts=0 if arbiter is None else arbiter.cuts[m.name],
+                )
+            )
+        return self.config.budget, readings

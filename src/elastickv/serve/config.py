@@ -1,0 +1,448 @@
+"""What ``elastickv serve`` runs, as frozen descriptions validated once, before anything starts.
+
+A configuration comes from a TOML file (``--config``), from flags, or from neither (two
+built-in tiny models of different shapes). Every rejection is a :class:`ServeConfigError`
+that names the field, the value and what is accepted.
+
+    [router]                      # optional
+    host = "127.0.0.1"
+    port = 8080
+    queue_limit = 64              # requests waiting per model while it wakes
+    wake_timeout = "5m"
+
+    [device]
+    budget = "2G"                 # the KV bytes all models share (B)
+    page_size = "2M"
+
+    [[model]]
+    name = "chat"                 # served name (the `model` field of a request)
+    model = "/models/llama"       # a model directory, or a built-in tiny model name
+    args = ["--max-model-len", "4096"]
+    min_kv = "256M"               # guaranteed
+    max_kv = "1G"                 # cap
+    priority = 1                  # higher wins when models compete
+    pinned = false                # never stopped
+    release_after = "30s"         # idle time before its KV is released (tier 1)
+    stop_after = "10m"            # idle time before its engine stops (tier 2), or "never"
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from elastickv.units import format_bytes, parse_duration, parse_size
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_QUEUE_LIMIT = 64
+DEFAULT_WAKE_TIMEOUT_S = 300.0
+DEFAULT_PAGE_SIZE = 2 << 20
+DEFAULT_RELEASE_AFTER_S = 30.0
+DEFAULT_STOP_AFTER_S = 600.0
+_NEVER = frozenset({"never", "none", "off"})
+_NAME = re.compile(r"^[A-Za-z0-9][\w.:@+\-/]{0,63}$")
+
+
+class ServeConfigError(ValueError):
+    """A configuration value that cannot be served; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One served model."""
+
+    name: str
+    source: str  # a directory, or a built-in tiny model name
+    args: tuple[str, ...] = ()
+    min_kv: int = 64 << 20
+    max_kv: int | None = None  # None: the device budget minus the other models' floors
+    priority: int = 0
+    pinned: bool = False
+    release_after_s: float | None = DEFAULT_RELEASE_AFTER_S
+    stop_after_s: float | None = DEFAULT_STOP_AFTER_S
+    python: str | None = None  # the interpreter with vLLM; None: the serve-wide choice
+
+    @property
+    def builtin(self) -> bool:
+        from elastickv.models import BUILTIN_MODELS
+
+        return self.source in BUILTIN_MODELS and not os.path.isdir(self.source)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The whole deployment: router, the device's shared KV budget, the models."""
+
+    models: tuple[ModelConfig, ...]
+    budget: int
+    page_size: int = DEFAULT_PAGE_SIZE
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    queue_limit: int = DEFAULT_QUEUE_LIMIT
+    wake_timeout_s: float = DEFAULT_WAKE_TIMEOUT_S
+    python: str | None = None
+    log_dir: str | None = None
+    hot_max_pages: int = 4
+    source: str = "built-in defaults"  # where it came from, for messages
+
+    def model(self, name: str) -> ModelConfig:
+        return next(m for m in self.models if m.name == name)
+
+    def cap_of(self, model: ModelConfig) -> int:
+        """The model's effective cap: ``max_kv``, else what the others' floors leave."""
+        others = sum(m.min_kv for m in self.models if m is not model)
+        cap = self.budget - others if model.max_kv is None else model.max_kv
+        return min(cap, self.budget - others)
+
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+def builtin_config(**overrides: Any) -> ServeConfig:
+    """No configuration at all: the two built-in tiny models (different shapes) sharing a
+    small budget in 64 KiB pages, so memory visibly moves between them."""
+    models = (
+        ModelConfig(
+            name="tiny-llama",
+            source="tiny-llama",
+            args=("--enforce-eager",),
+            min_kv=4 << 20,
+            max_kv=24 << 20,
+            release_after_s=20.0,
+            stop_after_s=None,
+            pinned=True,
+        ),
+        ModelConfig(
+            name="tiny-llama-bf16",
+            source="tiny-llama-bf16",
+            args=("--enforce-eager",),
+            min_kv=4 << 20,
+            max_kv=24 << 20,
+            release_after_s=20.0,
+            stop_after_s=300.0,
+        ),
+    )
+    values: dict[str, Any] = {"models": models, "budget": 32 << 20, "page_size": 64 << 10}
+    values.update(overrides)
+    return ServeConfig(**values)
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+_ROUTER_KEYS = {"host", "port", "queue_limit", "wake_timeout"}
+_DEVICE_KEYS = {"budget", "page_size", "hot_max_pages"}
+_TOP_KEYS = {"router", "device", "model", "python", "log_dir"}
+_MODEL_KEYS = {
+    "name",
+    "model",
+    "args",
+    "min_kv",
+    "max_kv",
+    "priority",
+    "pinned",
+    "release_after",
+    "stop_after",
+    "python",
+}
+
+
+def load_config(path: str | os.PathLike[str], **overrides: Any) -> ServeConfig:
+    """Read a TOML file; ``overrides`` (from flags; None = not given) win over it."""
+    file = Path(path)
+    try:
+        data = tomllib.loads(file.read_text())
+    except FileNotFoundError:
+        raise ServeConfigError(f"--config {path}: no such file") from None
+    except OSError as exc:
+        raise ServeConfigError(f"--config {path}: cannot read it: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ServeConfigError(f"--config {path}: not valid TOML: {exc}") from None
+    return config_from_mapping(data, source=str(path), **overrides)
+
+
+def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: Any) -> ServeConfig:
+    """Build a :class:`ServeConfig` from parsed TOML (see the module doc for the fields)."""
+    _unknown(data, _TOP_KEYS, "the top level")
+    router = _table(data, "router")
+    device = _table(data, "device")
+    _unknown(router, _ROUTER_KEYS, "[router]")
+    _unknown(device, _DEVICE_KEYS, "[device]")
+    raw_models = data.get("model")
+    if not isinstance(raw_models, list) or not raw_models:
+        raise ServeConfigError(
+            f"{source}: no [[model]] tables; add at least one, e.g.\n"
+            '[[model]]\nname = "tiny-llama"\nmodel = "tiny-llama"'
+        )
+    models = tuple(_model(raw, i) for i, raw in enumerate(raw_models))
+    values: dict[str, Any] = {"models": models, "source": source}
+    if "budget" not in device:
+        raise ServeConfigError(
+            f"{source}: [device] budget is required: the KV bytes all models share, e.g. "
+            'budget = "8G"'
+        )
+    values["budget"] = _size(device["budget"], "[device] budget")
+    if "page_size" in device:
+        values["page_size"] = _size(device["page_size"], "[device] page_size")
+    if "hot_max_pages" in device:
+        values["hot_max_pages"] = _int(device["hot_max_pages"], "[device] hot_max_pages")
+    if "host" in router:
+        values["host"] = _str(router["host"], "[router] host")
+    if "port" in router:
+        values["port"] = _int(router["port"], "[router] port")
+    if "queue_limit" in router:
+        values["queue_limit"] = _int(router["queue_limit"], "[router] queue_limit")
+    if "wake_timeout" in router:
+        wake = _duration(router["wake_timeout"], "[router] wake_timeout", allow_never=False)
+        values["wake_timeout_s"] = wake
+    if "python" in data:
+        values["python"] = _str(data["python"], "python")
+    if "log_dir" in data:
+        values["log_dir"] = _str(data["log_dir"], "log_dir")
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeConfig(**values)
+
+
+def config_from_flags(
+    models: Sequence[str], *, min_kv: str | None, max_kv: str | None, **overrides: Any
+) -> ServeConfig:
+    """``--model [NAME=]SOURCE`` (repeated) with shared ``--min-kv`` / ``--max-kv``; no
+    ``--model`` at all: the built-in models."""
+    if not models:
+        if min_kv is not None or max_kv is not None:
+            raise ServeConfigError("--min-kv / --max-kv need --model (or a --config file)")
+        return builtin_config(**{k: v for k, v in overrides.items() if v is not None})
+    built = []
+    for i, spec in enumerate(models):
+        name, _, source = spec.rpartition("=")
+        source = source.strip()
+        raw: dict[str, Any] = {"model": source, "name": name.strip() or _default_name(source)}
+        if min_kv is not None:
+            raw["min_kv"] = min_kv
+        if max_kv is not None:
+            raw["max_kv"] = max_kv
+        built.append(_model(raw, i, where=f"--model {spec!r}"))
+    values: dict[str, Any] = {"models": tuple(built), "source": "flags"}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    if "budget" not in values:
+        raise ServeConfigError(
+            "--budget is required with --model: the KV bytes all models share, e.g. --budget 8G"
+        )
+    return ServeConfig(**values)
+
+
+def _default_name(source: str) -> str:
+    return os.path.basename(source.rstrip("/")) or source
+
+
+def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
+    label = where or f"[[model]] #{index + 1}"
+    if not isinstance(raw, Mapping):
+        raise ServeConfigError(f"{label}: must be a table, got {raw!r}")
+    if isinstance(raw.get("name"), str):
+        label = f"{label} ({raw['name']!r})" if where is None else label
+    _unknown(raw, _MODEL_KEYS, label)
+    if "model" not in raw:
+        raise ServeConfigError(
+            f"{label}: 'model' is required: a model directory or a built-in tiny model name "
+            f"({_builtin_names()})"
+        )
+    source = _str(raw["model"], f"{label} model")
+    values: dict[str, Any] = {
+        "source": source,
+        "name": _str(raw.get("name", _default_name(source)), f"{label} name"),
+    }
+    if "args" in raw:
+        args = raw["args"]
+        if isinstance(args, str) or not isinstance(args, list):
+            raise ServeConfigError(
+                f"{label} args = {args!r}: must be a list of strings, e.g. "
+                '["--max-model-len", "4096"]'
+            )
+        values["args"] = tuple(_str(a, f"{label} args[{i}]") for i, a in enumerate(args))
+    if "min_kv" in raw:
+        values["min_kv"] = _size(raw["min_kv"], f"{label} min_kv")
+    if "max_kv" in raw:
+        values["max_kv"] = _size(raw["max_kv"], f"{label} max_kv")
+    if "priority" in raw:
+        values["priority"] = _int(raw["priority"], f"{label} priority")
+    if "pinned" in raw:
+        if not isinstance(raw["pinned"], bool):
+            raise ServeConfigError(f"{label} pinned = {raw['pinned']!r}: use true or false")
+        values["pinned"] = raw["pinned"]
+    if "release_after" in raw:
+        values["release_after_s"] = _duration(raw["release_after"], f"{label} release_after")
+    if "stop_after" in raw:
+        values["stop_after_s"] = _duration(raw["stop_after"], f"{label} stop_after")
+    if "python" in raw:
+        values["python"] = _str(raw["python"], f"{label} python")
+    return ModelConfig(**values)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def _validate(config: ServeConfig) -> None:
+    if not config.models:
+        raise ServeConfigError("no models to serve")
+    seen: set[str] = set()
+    for m in config.models:
+        if not _NAME.match(m.name):
+            raise ServeConfigError(
+                f"model name {m.name!r}: use 1-64 letters, digits and . _ - : @ + /, starting "
+                "with a letter or digit"
+            )
+        if m.name in seen:
+            raise ServeConfigError(f"model name {m.name!r} is used twice; served names must differ")
+        seen.add(m.name)
+        _check_source(m)
+        if m.min_kv < config.page_size:
+            raise ServeConfigError(
+                f"model {m.name!r} min_kv = {format_bytes(m.min_kv)} is smaller than one page "
+                f"({format_bytes(config.page_size)}); give it at least the engine's null block "
+                "and one request"
+            )
+        if m.max_kv is not None and m.max_kv < m.min_kv:
+            raise ServeConfigError(
+                f"model {m.name!r} max_kv = {format_bytes(m.max_kv)} is below its min_kv "
+                f"({format_bytes(m.min_kv)})"
+            )
+        if m.release_after_s is not None and m.release_after_s <= 0:
+            raise ServeConfigError(f"model {m.name!r} release_after must be positive or never")
+        if m.stop_after_s is not None and m.stop_after_s <= 0:
+            raise ServeConfigError(f"model {m.name!r} stop_after must be positive or never")
+        if m.python is not None:
+            _check_python(m.python, f"model {m.name!r} python")
+    floors = sum(m.min_kv for m in config.models)
+    if floors > config.budget:
+        raise ServeConfigError(
+            f"[device] budget = {format_bytes(config.budget)} cannot guarantee the models' "
+            f"min_kv ({' + '.join(format_bytes(m.min_kv) for m in config.models)} = "
+            f"{format_bytes(floors)}); raise the budget or lower a min_kv"
+        )
+    page = config.page_size
+    if page <= 0 or page % os.sysconf("SC_PAGE_SIZE") or page & (page - 1):
+        raise ServeConfigError(
+            f"[device] page_size = {page}: must be a power of two and a multiple of the OS page "
+            f"size ({os.sysconf('SC_PAGE_SIZE')}), e.g. 64K or 2M"
+        )
+    if not 0 <= config.hot_max_pages <= 1024:
+        raise ServeConfigError(f"[device] hot_max_pages = {config.hot_max_pages}: use 0..1024")
+    if not 0 <= config.port <= 65535:
+        raise ServeConfigError(f"[router] port = {config.port}: not a TCP port (0-65535)")
+    if not config.host.strip():
+        raise ServeConfigError("[router] host must not be empty (default 127.0.0.1)")
+    if config.queue_limit < 0:
+        raise ServeConfigError(f"[router] queue_limit = {config.queue_limit}: must be >= 0")
+    if not config.wake_timeout_s > 0:
+        raise ServeConfigError(f"[router] wake_timeout = {config.wake_timeout_s}: must be > 0")
+    if config.python is not None:
+        _check_python(config.python, "python")
+
+
+def _check_source(model: ModelConfig) -> None:
+    if model.builtin:
+        return
+    path = Path(model.source).expanduser()
+    if not path.is_dir():
+        raise ServeConfigError(
+            f"model {model.name!r}: model = {model.source!r} is neither a model directory nor a "
+            f"built-in tiny model ({_builtin_names()})"
+        )
+    if not (path / "config.json").is_file():
+        raise ServeConfigError(
+            f"model {model.name!r}: {model.source!r} has no config.json; point it at a Hugging "
+            "Face model directory"
+        )
+
+
+def _check_python(python: str, label: str) -> None:
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise ServeConfigError(f"{label} = {python!r} is not an executable file")
+
+
+def _builtin_names() -> str:
+    from elastickv.models import BUILTIN_MODELS
+
+    return ", ".join(BUILTIN_MODELS)
+
+
+# -- typed field readers ----------------------------------------------------------------------
+
+
+def _unknown(table: Mapping[str, Any], known: set[str], where: str) -> None:
+    extra = sorted(set(table) - known)
+    if extra:
+        raise ServeConfigError(
+            f"{where}: unknown field(s) {', '.join(extra)}; accepted: {', '.join(sorted(known))}"
+        )
+
+
+def _table(data: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ServeConfigError(f"[{key}] must be a table, got {value!r}")
+    return value
+
+
+def _str(value: Any, label: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ServeConfigError(f"{label} = {value!r}: must be a non-empty string")
+    return value.strip()
+
+
+def _int(value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ServeConfigError(f"{label} = {value!r}: must be a whole number")
+    return value
+
+
+def _size(value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ServeConfigError(f'{label} = {value!r}: use a size such as "512M" or "2G"')
+    try:
+        size = parse_size(value) if isinstance(value, str) else value
+    except ValueError:
+        raise ServeConfigError(
+            f'{label} = {value!r}: not a size; use bytes or K/M/G/T, e.g. "512M", "2G"'
+        ) from None
+    if size <= 0:
+        raise ServeConfigError(f"{label} = {value!r}: must be positive")
+    return size
+
+
+def _duration(value: Any, label: str, *, allow_never: bool = True) -> float | None:
+    if allow_never and isinstance(value, str) and value.strip().lower() in _NEVER:
+        return None
+    if isinstance(value, bool):
+        value = repr(value)
+    try:
+        seconds = parse_duration(value) if isinstance(value, str) else float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not seconds > 0 or math.isinf(seconds):
+        accepted = '"30s", "5m", "1h", seconds as a number' + (
+            ', or "never"' if allow_never else ""
+        )
+        raise ServeConfigError(f"{label} = {value!r}: not a positive duration; use {accepted}")
+    return seconds
+
+
+__all__ = [
+    "ModelConfig",
+    "ServeConfig",
+    "ServeConfigError",
+    "builtin_config",
+    "config_from_flags",
+    "config_from_mapping",
+    "load_config",
+]

@@ -1,0 +1,210 @@
+"""One model's vLLM OpenAI server: the command and environment, the process, its health.
+
+The engine is started in a session of its own (so Ctrl-C in the operator's terminal reaches
+``elastickv serve``, which stops the engines in order) and with a parent-death signal: if
+``elastickv serve`` itself dies, even by ``kill -9``, the kernel sends the API server SIGTERM,
+and elastickv's plugin makes its engine core follow (see
+:mod:`elastickv.integrations.vllm.watchdog`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import psutil
+
+from elastickv.serve.config import ModelConfig, ServeConfig
+
+PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_prctl = _libc.prctl  # resolved before any fork: the child only calls it
+
+
+class EngineStartError(RuntimeError):
+    """The engine exited or did not become healthy; the message carries its log's tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def has_option(args: tuple[str, ...], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """Everything needed to start one engine."""
+
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    port: int
+    log_path: Path
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+def build_launch(
+    config: ServeConfig,
+    model: ModelConfig,
+    *,
+    python: str,
+    model_path: str,
+    port: int,
+    log_dir: Path,
+    base_env: Mapping[str, str] | None = None,
+) -> EngineLaunch:
+    """The engine's command line and environment.
+
+    ``ELASTICKV=1`` with the model's served name as its ledger instance, ``min_kv`` as its
+    starting limit and its cap as the virtual KV capacity vLLM sees. ``--kv-cache-memory-bytes``
+    (the cap) skips vLLM's start-up check of free host memory, which a second engine on the
+    same host would otherwise fail."""
+    cap = config.cap_of(model)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
+    argv += ["--served-model-name", model.name, "--host", "127.0.0.1", "--port", str(port)]
+    if not has_option(model.args, "--kv-cache-memory-bytes"):
+        argv += ["--kv-cache-memory-bytes", str(cap)]
+    argv += list(model.args)
+    env = {
+        k: v
+        for k, v in (os.environ if base_env is None else base_env).items()
+        if not k.startswith("ELASTICKV")
+    }
+    env.update(
+        ELASTICKV="1",
+        ELASTICKV_INSTANCE=model.name,
+        ELASTICKV_BUDGET=str(model.min_kv),
+        ELASTICKV_VIRTUAL_CAPACITY=str(cap),
+        ELASTICKV_PAGE_SIZE=str(config.page_size),
+        ELASTICKV_HOT_MAX_PAGES=str(config.hot_max_pages),
+    )
+    ledger_dir = (os.environ if base_env is None else base_env).get("ELASTICKV_LEDGER_DIR")
+    if ledger_dir:
+        env["ELASTICKV_LEDGER_DIR"] = ledger_dir
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
+
+
+def log_path(log_dir: Path, name: str) -> Path:
+    """The engine log of model ``name`` (the name made safe for a file name)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+    return log_dir / f"{safe}.log"
+
+
+def _child_setup(parent_pid: int) -> None:
+    """In the forked child, before exec: die with ``elastickv serve`` (SIGTERM)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before the line above
+        os._exit(1)
+
+
+class EngineProcess:
+    """A started engine: its process group, exit, health, and stopping it."""
+
+    def __init__(self, launch: EngineLaunch, proc: asyncio.subprocess.Process) -> None:
+        self.launch = launch
+        self.proc = proc
+        self.started_at = time.monotonic()
+        self.stopping = False
+
+    @classmethod
+    async def start(cls, launch: EngineLaunch) -> EngineProcess:
+        launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        me = os.getpid()
+        with launch.log_path.open("ab") as log:
+            os.chmod(launch.log_path, 0o600)
+            proc = await asyncio.create_subprocess_exec(
+                *launch.argv,
+                env=dict(launch.env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: _child_setup(me),
+            )
+        return cls(launch, proc)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def exited(self) -> bool:
+        return self.proc.returncode is not None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.launch.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def wait_healthy(self, session: aiohttp.ClientSession, timeout: float) -> float:
+        """Seconds until ``/health`` answered 200; EngineStartError if it exits or times out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.exited:
+                raise EngineStartError(
+                    f"the engine of {self.launch.name!r} exited during start-up (status "
+                    f"{self.proc.returncode}); log {self.launch.log_path}:\n{self.log_tail()}"
+                )
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                async with session.get(
+                    self.launch.url("/health"), timeout=aiohttp.ClientTimeout(total=2)
+                ) as response:
+                    if response.status == 200:
+                        return time.monotonic() - self.started_at
+            await asyncio.sleep(0.25)
+        raise EngineStartError(
+            f"the engine of {self.launch.name!r} was not healthy after {timeout:.0f} s; log "
+            f"{self.launch.log_path}:\n{self.log_tail()}"
+        )
+
+    def processes(self) -> list[psutil.Process]:
+        """Every live process of the engine: its session (API server, engine core, workers)."""
+        found = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if os.getsid(proc.pid) == self.pid and proc.status() != psutil.STATUS_ZOMBIE:
+                    found.append(proc)
+        return found
+
+    async def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM (vLLM's clean shutdown), then SIGKILL to whatever of its session is left."""
+        self.stopping = True
+        if not self.exited:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.proc.wait(), timeout)
+        deadline = time.monotonic() + 5.0
+        while self.processes() and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        self.kill()
+        with contextlib.suppress(ProcessLookupError):
+            await self.proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the whole engine now (every process of its session)."""
+        self.stopping = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        for proc in self.processes():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()

@@ -1,0 +1,303 @@
+"""One served model's life: start, serve, release its KV when idle, stop, wake, restart.
+
+States (what ``/v1/models`` and ``elastickv list`` show):
+
+* ``starting`` – the engine is starting (first start, wake from ``stopped``, or a restart
+  after a crash); requests wait in the model's bounded queue.
+* ``serving`` – requests are in flight.
+* ``idle`` – running with nothing in flight; after ``release_after`` it becomes
+* ``kv-released`` – tier 1: its limit is at the engine's floor, so the plugin dropped its hot
+  reserve and prefix cache; the next request raises the limit again (no restart).
+* ``stopped`` – tier 2 (after ``stop_after``, unless pinned): no engine process; the next
+  request starts it, one wake at a time, others waiting.
+* ``failed`` – it crashed or failed to start ``MAX_RESTARTS`` times in a row; requests get 503.
+
+Everything runs on the serve event loop: state changes happen between awaits, never
+concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from elastickv.serve.config import ModelConfig
+from elastickv.serve.engine import EngineLaunch, EngineProcess, EngineStartError
+
+logger = logging.getLogger("elastickv.serve")
+MAX_RESTARTS = 5
+BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+START_TIMEOUT_S = 600.0
+
+
+class ModelState(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    IDLE = "idle"
+    KV_RELEASED = "kv-released"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+class Unavailable(Exception):
+    """A request the model cannot take now: HTTP ``status``, an OpenAI-style message, and
+    for 429/503 how long to wait before retrying."""
+
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.retry_after = retry_after
+
+
+@dataclass
+class ModelHooks:
+    """What a model needs from the rest of ``serve`` (wired by the app)."""
+
+    launch: Callable[[ModelConfig], EngineLaunch]  # a fresh launch (new port) per start
+    session: aiohttp.ClientSession
+    changed: Callable[[], None]  # a state or demand change: wake the arbiter, the state file
+    restore_kv: Callable[[str], Awaitable[None]]  # raise a released model's limit to min_kv
+    release_kv: Callable[[str], Awaitable[None]]  # lower it to the engine's floor
+    engine_ready: Callable[[str], Awaitable[None]]  # the engine is healthy (its floor is read)
+    woke: Callable[[str, str, float], None]  # (model, tier, seconds) for metrics
+
+
+class ServedModel:
+    """The supervisor of one model (see the module doc)."""
+
+    def __init__(self, config: ModelConfig, hooks: ModelHooks, *, queue_limit: int,
+                 wake_timeout_s: float) -> None:  # fmt: skip
+        self.config = config
+        self.hooks = hooks
+        self.queue_limit = queue_limit
+        self.wake_timeout_s = wake_timeout_s
+        self.state = ModelState.STOPPED
+        self.engine: EngineProcess | None = None
+        self.in_flight = 0
+        self.waiting = 0
+        self.last_active = time.monotonic()
+        self.restarts = 0
+        self.failures_in_row = 0
+        self.last_start_s: float | None = None
+        self.last_error: str | None = None
+        self.floor_bytes = 0
+        self._ready = asyncio.Event()
+        self._lifecycle = asyncio.Lock()
+        self._wake: asyncio.Task[None] | None = None
+        self._monitor: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def url(self) -> str | None:
+        return None if self.engine is None else self.engine.launch.url()
+
+    def current(self) -> ModelState:
+        return self.state
+
+    def _set(self, state: ModelState) -> None:
+        if state is not self.state:
+            routine = {state, self.state} == {ModelState.SERVING, ModelState.IDLE}
+            logger.log(
+                logging.DEBUG if routine else logging.INFO,
+                "%s: %s -> %s", self.name, self.state.value, state.value,
+            )  # fmt: skip
+            self.state = state
+            if state in (ModelState.SERVING, ModelState.IDLE, ModelState.KV_RELEASED):
+                self._ready.set()
+            else:
+                self._ready.clear()
+            self.hooks.changed()
+
+    # -- start and stop -----------------------------------------------------------------------
+
+    async def boot(self) -> float:
+        """The first start; raises EngineStartError (the caller stops everything)."""
+        async with self._lifecycle:
+            return await self._start()
+
+    async def _start(self) -> float:
+        self._set(ModelState.STARTING)
+        launch = self.hooks.launch(self.config)
+        logger.info("%s: starting its engine on port %d (log %s)", self.name, launch.port,
+                    launch.log_path)  # fmt: skip
+        engine = await EngineProcess.start(launch)
+        self.engine = engine
+        try:
+            seconds = await engine.wait_healthy(self.hooks.session, START_TIMEOUT_S)
+            await self.hooks.engine_ready(self.name)
+        except BaseException:
+            await engine.stop(timeout=10)
+            self.engine = None
+            raise
+        self.last_start_s = seconds
+        self.last_active = time.monotonic()
+        self.failures_in_row = 0
+        self._monitor = asyncio.get_running_loop().create_task(self._watch(engine))
+        self._set(ModelState.SERVING if self.in_flight else ModelState.IDLE)
+        logger.info("%s: engine pid %d healthy in %.1f s", self.name, engine.pid, seconds)
+        return seconds
+
+    async def stop(self, *, final: bool = False) -> None:
+        """Stop the engine (tier 2, or ``serve`` shutting down when ``final``)."""
+        self._closing = self._closing or final
+        async with self._lifecycle:
+            engine, self.engine = self.engine, None
+            if not final:
+                self._set(ModelState.STOPPED)
+            if engine is not None:
+                await engine.stop()
+        if final and self._wake is not None:
+            self._wake.cancel()
+
+    def kill(self) -> None:
+        """Synchronous last resort at exit: SIGKILL the engine's processes."""
+        self._closing = True
+        if self.engine is not None:
+            self.engine.kill()
+
+    async def _watch(self, engine: EngineProcess) -> None:
+        code = await engine.proc.wait()
+        if engine.stopping or self._closing or engine is not self.engine:
+            return
+        engine.kill()  # its engine core and worker too, at once: their memory returns now
+        self.engine = None
+        self.restarts += 1
+        self.last_error = f"engine exited with status {code}"
+        logger.warning("%s: engine pid %d exited unexpectedly (status %s); restarting",
+                       self.name, engine.pid, code)  # fmt: skip
+        self._set(ModelState.STARTING)
+        async with self._lifecycle:
+            await self._restart_with_backoff()
+
+    async def _restart_with_backoff(self) -> None:
+        while not self._closing:
+            delay = BACKOFF_S[min(self.failures_in_row, len(BACKOFF_S) - 1)]
+            if self.failures_in_row:
+                await asyncio.sleep(delay)
+            try:
+                await self._start()
+                return
+            except EngineStartError as exc:
+                self.failures_in_row += 1
+                self.last_error = str(exc).splitlines()[0]
+                logger.error("%s: restart %d failed: %s", self.name, self.failures_in_row, exc)
+                if self.failures_in_row >= MAX_RESTARTS:
+                    self._set(ModelState.FAILED)
+                    return
+                self._set(ModelState.STARTING)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def serving(self) -> AsyncIterator[float]:
+        """Hold the model for one request; yields the seconds it waited (queue or wake).
+        Raises :class:`Unavailable` when it cannot be served."""
+        started = time.monotonic()
+        await self._admit()
+        self.in_flight += 1
+        self._set(ModelState.SERVING)
+        try:
+            yield time.monotonic() - started
+        finally:
+            self.in_flight -= 1
+            self.last_active = time.monotonic()
+            if self.in_flight == 0 and self.state is ModelState.SERVING:
+                self._set(ModelState.IDLE)
+            self.hooks.changed()
+
+    async def _admit(self) -> None:
+        if self.state is ModelState.FAILED:
+            raise Unavailable(
+                503, f"model {self.name!r} failed and is not being restarted: {self.last_error}"
+            )
+        if self.state is ModelState.KV_RELEASED:
+            began = time.monotonic()
+            await self.hooks.restore_kv(self.name)
+            self.hooks.woke(self.name, "kv", time.monotonic() - began)
+            return
+        if self.state in (ModelState.SERVING, ModelState.IDLE):
+            return
+        if self.waiting >= self.queue_limit:
+            retry = max(1.0, self.last_start_s or 10.0)
+            raise Unavailable(
+                429,
+                f"model {self.name!r} is {self.state.value} and {self.waiting} requests are "
+                f"already waiting for it (queue_limit {self.queue_limit}); retry later",
+                retry_after=retry,
+            )
+        self.waiting += 1
+        self.hooks.changed()
+        try:
+            if self.state is ModelState.STOPPED and self._wake is None:
+                self._wake = asyncio.get_running_loop().create_task(self._wake_engine())
+            try:
+                await asyncio.wait_for(self._ready.wait(), self.wake_timeout_s)
+            except TimeoutError:
+                raise Unavailable(
+                    503,
+                    f"model {self.name!r} did not become ready within {self.wake_timeout_s:.0f} s "
+                    f"(state {self.state.value})",
+                    retry_after=10.0,
+                ) from None
+            if self.current() is ModelState.FAILED:  # set while this request waited
+                raise Unavailable(503, f"model {self.name!r} failed to start: {self.last_error}")
+        finally:
+            self.waiting -= 1
+
+    async def _wake_engine(self) -> None:
+        began = time.monotonic()
+        try:
+            async with self._lifecycle:
+                if self.state is not ModelState.STOPPED:
+                    return
+                try:
+                    await self._start()
+                except EngineStartError as exc:
+                    self.failures_in_row += 1
+                    self.last_error = str(exc).splitlines()[0]
+                    logger.error("%s: wake failed: %s", self.name, exc)
+                    self._set(ModelState.FAILED)
+                    self._ready.set()  # waiters see FAILED
+                    return
+            self.hooks.woke(self.name, "engine", time.monotonic() - began)
+        finally:
+            self._wake = None
+
+    # -- idle policy --------------------------------------------------------------------------
+
+    async def apply_idle_policy(self, now: float) -> None:
+        """Tier 1 after ``release_after`` idle, tier 2 after ``stop_after`` (unless pinned)."""
+        if self.in_flight or self.waiting or self._lifecycle.locked():
+            return
+        idle_for = now - self.last_active
+        stop_after = self.config.stop_after_s
+        if (
+            self.state in (ModelState.IDLE, ModelState.KV_RELEASED)
+            and not self.config.pinned
+            and stop_after is not None
+            and idle_for >= stop_after
+        ):
+            logger.info("%s: idle for %.0f s: stopping its engine", self.name, idle_for)
+            await self.stop()
+            return
+        release_after = self.config.release_after_s
+        if (
+            self.state is ModelState.IDLE
+            and release_after is not None
+            and idle_for >= release_after
+        ):
+            logger.info("%s: idle for %.0f s: releasing its KV memory", self.name, idle_for)
+            self._set(ModelState.KV_RELEASED)
+            await self.hooks.release_kv(self.name)

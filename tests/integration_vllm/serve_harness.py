@@ -1,0 +1,201 @@
+"""Helpers for the ``elastickv serve`` tests: the real command, real HTTP, the real ledger.
+
+Nothing here stands in for vLLM or the router: ``elastickv serve`` runs as a subprocess with
+real vLLM engines, requests go over loopback HTTP, and memory is read from the ledger and the
+engines' memfds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from elastickv.control import open_ledger
+
+
+@dataclass
+class Reply:
+    status: int
+    body: dict[str, Any] | None
+    text: str = ""  # completion text (streams: concatenated deltas)
+    token_ids: list[int] | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    error_event: dict[str, Any] | None = None  # an error event inside a stream
+    seconds: float = 0.0
+
+
+def _open(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    return urllib.request.urlopen(request, timeout=timeout)
+
+
+def post(base: str, path: str, body: dict[str, Any], timeout: float = 300) -> Reply:
+    """POST and read the whole answer; streams are parsed event by event."""
+    start = time.monotonic()
+    try:
+        response = _open(base + path, body, timeout)
+    except urllib.error.HTTPError as exc:
+        payload = json.loads(exc.read() or b"null")
+        return Reply(exc.code, payload, headers=dict(exc.headers), seconds=time.monotonic() - start)
+    with response:
+        headers = dict(response.headers)
+        if not body.get("stream"):
+            payload = json.loads(response.read())
+            choice = payload["choices"][0]
+            text = choice["message"]["content"] if "message" in choice else choice["text"]
+            return Reply(
+                response.status, payload, text or "", choice.get("token_ids"), headers,
+                seconds=time.monotonic() - start,
+            )  # fmt: skip
+        text, error = [], None
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            if "error" in event:
+                error = event
+                continue
+            for choice in event.get("choices", []):
+                delta = choice.get("delta", {}).get("content") if "delta" in choice else None
+                text.append(delta if delta is not None else choice.get("text") or "")
+        return Reply(
+            response.status, None, "".join(text), None, headers, error,
+            seconds=time.monotonic() - start,
+        )  # fmt: skip
+
+
+def get_json(base: str, path: str) -> Any:
+    with _open(base + path, None, 30) as response:
+        return json.loads(response.read())
+
+
+def complete(model: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True, "return_token_ids": True, **extra,
+    }  # fmt: skip
+
+
+def chat(model: str, content: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": model, "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra,
+    }  # fmt: skip
+
+
+def post_all(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Reply]:
+    with ThreadPoolExecutor(max(1, len(requests))) as pool:
+        return list(pool.map(lambda r: post(base, r[0], r[1]), requests))
+
+
+def session_processes(sid: int) -> list[int]:
+    """Live (non-zombie) processes of session ``sid``."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+    return found
+
+
+def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float | None:
+    """Seconds until ``predicate()`` is true, or None after ``timeout``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    return None
+
+
+class LedgerSampler:
+    """Samples the ledger every ``interval`` s in a thread: per-instance used bytes and limits."""
+
+    def __init__(self, ledger_dir: Path, interval: float = 0.02) -> None:
+        self.ledger_dir = ledger_dir
+        self.interval = interval
+        self.samples: list[dict[str, tuple[int, int | None]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with open_ledger("host", directory=str(self.ledger_dir), create=False) as ledger:
+            while not self._stop.is_set():
+                snap = ledger.snapshot()
+                self.samples.append(
+                    {i.name: (i.used_bytes, i.limit_desired) for i in snap.instances}
+                )
+                time.sleep(self.interval)
+
+    def __enter__(self) -> LedgerSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def peak_total(self) -> int:
+        return max((sum(u for u, _ in s.values()) for s in self.samples), default=0)
+
+    def limits(self, name: str) -> list[int]:
+        """The distinct limits of ``name`` in sampling order."""
+        out: list[int] = []
+        for sample in self.samples:
+            limit = sample.get(name, (0, None))[1]
+            if limit is not None and (not out or out[-1] != limit):
+                out.append(limit)
+        return out
+
+
+@contextlib.contextmanager
+def serve_process(
+    config: Path, env: dict[str, str], log: Path, port: int, timeout: float = 600
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``elastickv serve --config`` in its own session, ready when every model is up."""
+    cmd = [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(config)]
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(
+                    f"serve exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+                )
+            with contextlib.suppress(OSError, ValueError):
+                models = get_json(base, "/v1/models")["data"]
+                if all(m["state"] in ("idle", "serving", "kv-released") for m in models):
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"serve not ready in {timeout} s:\n{log.read_text()[-4000:]}")
+            time.sleep(0.5)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

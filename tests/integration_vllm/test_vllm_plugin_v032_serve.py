@@ -1,0 +1,487 @@
+"""``elastickv serve`` end to end: real vLLM 0.32 engines, the real router over HTTP, the real
+ledger. One serve run (two tiny models of different shapes) goes through every scenario of
+the acceptance list in order; each test asserts one part of what it recorded.
+
+Reference outputs come from native vLLM OpenAI servers (no elastickv) of each model alone,
+run with the same engine arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from plugin_harness import free_port, hermetic_env, pool_fds
+from serve_harness import (
+    LedgerSampler,
+    Reply,
+    chat,
+    complete,
+    get_json,
+    post,
+    post_all,
+    serve_process,
+    session_processes,
+    wait_until,
+)
+
+from elastickv.control import open_ledger
+from elastickv.models import ensure_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+MODELS = {"alpha": "tiny-llama", "beta": "tiny-llama-bf16"}
+ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "32", "--seed", "0"]
+PAGE = 32 << 10
+MIN_KV = 512 << 10
+BUDGET = 6 << 20
+SHORT = ["Hello, my name is", "1 + 1 =", "The capital of France is", "机器学习是"]
+MAX_TOKENS = 16
+LOAD_REQUESTS = 12
+LOAD_TOKENS = 48
+RELEASE_AFTER_S = 3
+STOP_AFTER_S = 15
+
+
+def load_prompt(i: int) -> str:
+    words = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light"]
+    return f"Request {i}: " + " ".join(words[(i * 3 + k) % 8] for k in range(36 + i % 5))
+
+
+def workload(model: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """Every request the tests compare with native vLLM, by scenario."""
+    return {
+        "completions": [("/v1/completions", complete(model, p, MAX_TOKENS)) for p in SHORT],
+        "completions_stream": [
+            ("/v1/completions", complete(model, p, MAX_TOKENS, stream=True)) for p in SHORT
+        ],
+        "chat": [("/v1/chat/completions", chat(model, p, MAX_TOKENS)) for p in SHORT[:2]],
+        "chat_stream": [
+            ("/v1/chat/completions", chat(model, p, MAX_TOKENS, stream=True)) for p in SHORT[:2]
+        ],
+        "load": [
+            ("/v1/completions", complete(model, load_prompt(i), LOAD_TOKENS))
+            for i in range(LOAD_REQUESTS)
+        ],
+    }
+
+
+def outputs(replies: list[Reply]) -> list[Any]:
+    return [(r.status, r.token_ids if r.token_ids is not None else r.text) for r in replies]
+
+
+@contextlib.contextmanager
+def vllm_server(
+    cache_root: Path, model: str, name: str, extra: dict[str, str], log: Path
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--kv-cache-memory-bytes", str(32 << 20), *ENGINE_ARGS]
+    env = hermetic_env(cache_root, extra, multiprocess=True)
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError):
+            return bool(get_json(base, "/v1/models"))
+        return False
+
+    assert wait_until(healthy, 400, 0.5) is not None, log.read_text()[-3000:]
+
+
+def ledger_names(ledger_dir: Path) -> dict[str, int]:
+    if not (ledger_dir / "host.ledger").exists():
+        return {}
+    with open_ledger("host", directory=str(ledger_dir), create=False) as ledger:
+        return {i.name: i.pid for i in ledger.list_instances()}
+
+
+@pytest.fixture(scope="session")
+def native_and_orphan(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Native reference answers for both models, and the orphan scenario: ``kill -9`` the API
+    server of a plain ``ELASTICKV=1`` server; its engine core and worker must exit and its
+    ledger record vanish by themselves."""
+    logs = tmp_path_factory.mktemp("native-logs")
+    ledger_dir = cache_root / "orphan-ledger"
+    paths = {name: str(ensure_tiny_model(model)) for name, model in MODELS.items()}
+    result: dict[str, Any] = {}
+    elastic_env = {
+        "ELASTICKV": "1",
+        "ELASTICKV_PAGE_SIZE": str(PAGE),
+        "ELASTICKV_VIRTUAL_CAPACITY": "64M",
+        "ELASTICKV_LEDGER_DIR": str(ledger_dir),
+        "ELASTICKV_INSTANCE": "orphan",
+    }
+    with contextlib.ExitStack() as stack:
+        servers = {
+            name: stack.enter_context(vllm_server(cache_root, paths[name], name, {}, logs / name))
+            for name in MODELS
+        }
+        orphan, orphan_base = stack.enter_context(
+            vllm_server(cache_root, paths["alpha"], "alpha", elastic_env, logs / "orphan")
+        )
+        for name, (proc, base) in servers.items():
+            wait_healthy(proc, base, logs / name)
+            result[name] = {
+                key: outputs(post_all(base, requests)) for key, requests in workload(name).items()
+            }
+        wait_healthy(orphan, orphan_base, logs / "orphan")
+        post(orphan_base, "/v1/completions", complete("alpha", load_prompt(1), LOAD_TOKENS))
+        engine = [p for p in session_processes(orphan.pid) if p != orphan.pid]
+        result["orphan_before"] = {"ledger": ledger_names(ledger_dir), "engine": engine}
+        os.kill(orphan.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        result["orphan_record_gone_s"] = wait_until(
+            lambda: "orphan" not in ledger_names(ledger_dir), 30
+        )
+        result["orphan_exit_s"] = wait_until(
+            lambda: not [p for p in session_processes(orphan.pid) if p != orphan.pid], 30
+        )
+        result["orphan_total_s"] = round(time.monotonic() - killed, 2)
+    return result
+
+
+def serve_config(path: Path, port: int, log_dir: Path) -> Path:
+    models = []
+    for name, model in MODELS.items():
+        pinned = name == "alpha"
+        models.append(
+            f'[[model]]\nname = "{name}"\nmodel = "{model}"\nargs = {json.dumps(ENGINE_ARGS)}\n'
+            f"min_kv = {MIN_KV}\npriority = 0\npinned = {str(pinned).lower()}\n"
+            f'release_after = "{RELEASE_AFTER_S}s"\n'
+            f'stop_after = "{"never" if pinned else f"{STOP_AFTER_S}s"}"\n'
+        )
+    path.write_text(
+        f'log_dir = "{log_dir}"\npython = "{sys.executable}"\n'
+        f"[router]\nport = {port}\nqueue_limit = 16\n"
+        f"[device]\nbudget = {BUDGET}\npage_size = {PAGE}\nhot_max_pages = 2\n\n"
+        + "\n".join(models)
+    )
+    return path
+
+
+def describe(base: str) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in get_json(base, "/health")["models"]}
+
+
+def state_of(base: str, name: str) -> str:
+    return str(describe(base)[name]["state"])
+
+
+@pytest.fixture(scope="session")
+def serve_run(
+    cache_root: Path, tmp_path_factory: pytest.TempPathFactory, native_and_orphan: dict[str, Any]
+) -> dict[str, Any]:
+    work = tmp_path_factory.mktemp("serve")
+    ledger_dir = work / "ledger"
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    config = serve_config(work / "serve.toml", port, work / "engine-logs")
+    env = hermetic_env(cache_root, {"ELASTICKV_LEDGER_DIR": str(ledger_dir)}, multiprocess=True)
+    r: dict[str, Any] = {"ledger_dir": ledger_dir}
+    started = time.monotonic()
+    with serve_process(config, env, work / "serve.log", port) as proc:
+        r["startup_s"] = round(time.monotonic() - started, 1)
+        r["models"] = get_json(base, "/v1/models")["data"]
+        r["unknown"] = post(base, "/v1/completions", complete("gamma", "hi", 4))
+        r["bad_json"] = post(base, "/v1/completions", {"prompt": "no model"})
+        r["upstream_error"] = post(base, "/v1/completions", complete("alpha", "hi", 100000))
+        # 1. Each model alone, every request shape, compared with native vLLM.
+        r["answers"] = {
+            name: {
+                key: outputs(post_all(base, requests))
+                for key, requests in workload(name).items()
+                if key != "load"
+            }
+            for name in MODELS
+        }
+        # 2. Both models under load at once, on a budget that fits one burst, not both.
+        with LedgerSampler(ledger_dir) as sampler:
+            load = [(n, rq) for n in MODELS for rq in workload(n)["load"]]
+            replies = post_all(base, [rq for _, rq in load])
+            time.sleep(0.5)
+        r["load"] = {
+            name: outputs([rep for (n, _), rep in zip(load, replies, strict=True) if n == name])
+            for name in MODELS
+        }
+        r["peak_total"] = sampler.peak_total()
+        r["limits"] = {name: sampler.limits(name) for name in MODELS}
+        r["peaks"] = {
+            name: max((s.get(name, (0, None))[0] for s in sampler.samples), default=0)
+            for name in MODELS
+        }
+        r["samples"] = len(sampler.samples)
+        r["metrics"] = urlread(base + "/metrics")
+        r["cli_list"] = cli(["list", "--json"], ledger_dir)
+        # 3. Idle → KV released → a request is served.
+        fds = pool_fds([p for p in session_processes(describe(base)["alpha"]["engine_pid"])])
+        pool = next(iter(fds.values()))[0]
+        r["alpha_busy_footprint"] = os.stat(pool).st_blocks * 512
+        r["released_after_s"] = wait_until(lambda: state_of(base, "alpha") == "kv-released", 30)
+        time.sleep(1.0)  # the engine applies the floor at its next idle tick
+        r["alpha_released"] = describe(base)["alpha"]
+        r["alpha_released_footprint"] = os.stat(pool).st_blocks * 512
+        r["after_release"] = outputs([post(base, *workload("alpha")["completions"][0])])
+        # 4. Stopped → several requests wait during the wake → all answered.
+        r["stopped_after_s"] = wait_until(
+            lambda: (
+                describe(base)["beta"]["state"] == "stopped"
+                and "beta" not in ledger_names(ledger_dir)
+            ),
+            60,
+        )
+        time.sleep(0.3)  # the arbiter's next look no longer sees a record
+        r["beta_stopped"] = describe(base)["beta"]
+        wake_started = time.monotonic()
+        r["after_wake"] = outputs(post_all(base, workload("beta")["completions"]))
+        r["wake_s"] = round(time.monotonic() - wake_started, 1)
+        r["wake_metrics"] = urlread(base + "/metrics")
+        # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
+        beta_pid = describe(base)["beta"]["engine_pid"]
+        beta_session = session_processes(beta_pid)
+        with contextlib.ExitStack():
+            import concurrent.futures as cf
+
+            with cf.ThreadPoolExecutor(16) as pool_exec:
+                beta_long = [
+                    pool_exec.submit(
+                        post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
+                    )
+                    for i in range(4)
+                ] + [
+                    pool_exec.submit(
+                        post,
+                        base,
+                        "/v1/completions",
+                        complete("beta", load_prompt(i), 400, stream=True),
+                    )
+                    for i in range(2)
+                ]
+                alpha_during = [
+                    pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
+                ]
+                wait_until(lambda: describe(base)["beta"]["in_flight"] >= 6, 30, 0.05)
+                time.sleep(0.5)
+                os.kill(beta_pid, signal.SIGKILL)
+                killed = time.monotonic()
+                r["beta_record_gone_s"] = wait_until(
+                    lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
+                )
+                r["beta_processes_gone_s"] = wait_until(
+                    lambda: not any(psutil.pid_exists(p) and p in session_processes(beta_pid)
+                                    for p in beta_session), 10, 0.05,
+                )  # fmt: skip
+                r["beta_failed_replies"] = [f.result() for f in beta_long]
+                r["alpha_during_kill"] = outputs([f.result() for f in alpha_during])
+        r["beta_restarted_s"] = wait_until(
+            lambda: state_of(base, "beta") in ("idle", "serving"), 300, 0.5
+        )
+        r["beta_kill_to_restart_s"] = round(time.monotonic() - killed, 1)
+        r["after_restart"] = outputs(post_all(base, workload("beta")["completions"]))
+        r["restarts"] = describe(base)["beta"]["restarts"]
+        # 6. kill -9 elastickv serve itself: nothing of it is left.
+        engines = {name: m["engine_pid"] for name, m in describe(base).items()}
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        r["serve_killed_engines_gone_s"] = wait_until(
+            lambda: not any(session_processes(pid) for pid in engines.values()), 30, 0.1
+        )
+        r["serve_killed_records_gone_s"] = wait_until(lambda: not ledger_names(ledger_dir), 30)
+        r["serve_killed_total_s"] = round(time.monotonic() - killed, 1)
+        r["serve_log"] = (work / "serve.log").read_text()[-6000:]
+    print(
+        "\n[serve]",
+        {k: v for k, v in r.items() if k.endswith("_s") or k in ("peaks", "limits", "peak_total")},
+    )
+    return r
+
+
+def urlread(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return str(response.read().decode())
+
+
+def cli(args: list[str], ledger_dir: Path) -> dict[str, Any]:
+    env = dict(os.environ, ELASTICKV_LEDGER_DIR=str(ledger_dir))
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", *args],
+        env=env, capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+# -- the assertions -------------------------------------------------------------------------
+
+
+def test_models_listed_with_states_and_unknown_is_404(serve_run: dict[str, Any]) -> None:
+    models = {m["id"]: m for m in serve_run["models"]}
+    assert set(models) == set(MODELS)
+    assert all(m["state"] in ("idle", "serving", "kv-released") for m in models.values())
+    unknown = serve_run["unknown"]
+    assert unknown.status == 404
+    message = unknown.body["error"]["message"]
+    assert "gamma" in message and "alpha" in message and "beta" in message
+    assert serve_run["bad_json"].status == 400
+
+
+def test_upstream_errors_pass_through(serve_run: dict[str, Any]) -> None:
+    """vLLM's own 400 for max_tokens beyond the context reaches the client unchanged."""
+    reply = serve_run["upstream_error"]
+    assert reply.status == 400
+    assert "error" in reply.body or "message" in json.dumps(reply.body)
+
+
+def test_every_request_shape_equals_native(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    for name in MODELS:
+        for key, got in serve_run["answers"][name].items():
+            assert got == native_and_orphan[name][key], (name, key)
+            assert all(status == 200 for status, _ in got)
+    # Streams carry the same text as the non-streamed answers.
+    for name in MODELS:
+        answers = serve_run["answers"][name]
+        native = native_and_orphan[name]
+        assert [t for _, t in answers["chat_stream"]] == [t for _, t in native["chat"]]
+
+
+def test_shared_budget_moves_memory_and_is_never_exceeded(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    for name in MODELS:
+        assert serve_run["load"][name] == native_and_orphan[name]["load"], name
+    assert serve_run["samples"] > 20
+    assert 0 < serve_run["peak_total"] <= BUDGET
+    # Each burst alone needs more than an even split of the budget.
+    assert max(serve_run["peaks"].values()) > BUDGET // 2, serve_run["peaks"]
+    for name in MODELS:
+        limits = serve_run["limits"][name]
+        ups = any(b > a for a, b in itertools.pairwise(limits))
+        downs = any(b < a for a, b in itertools.pairwise(limits))
+        assert ups and downs, (name, limits)
+
+
+def test_operators_see_the_served_models(serve_run: dict[str, Any]) -> None:
+    listing = serve_run["cli_list"]
+    (served,) = listing["serve"]
+    assert {m["name"] for m in served["models"]} == set(MODELS)
+    assert {i["name"] for i in listing["instances"]} == set(MODELS)
+    metrics = serve_run["metrics"]
+    for needle in (
+        'elastickv_router_ttft_seconds_count{model="alpha"}',
+        'elastickv_router_e2e_seconds_count{model="beta"}',
+        'elastickv_router_queue_seconds_count{model="alpha"}',
+        'elastickv_serve_committed_bytes{model="alpha"}',
+        'elastickv_serve_limit_bytes{model="beta"}',
+        "elastickv_serve_refusals_total",
+    ):
+        assert needle in metrics, needle
+
+
+def test_idle_model_releases_its_kv_and_serves_again(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    assert serve_run["released_after_s"] is not None
+    released = serve_run["alpha_released"]
+    assert released["state"] == "kv-released"
+    # The footprint fell to the engine's floor (its null block's pages).
+    assert released["committed_bytes"] <= 4 * PAGE, released
+    assert serve_run["alpha_released_footprint"] == released["committed_bytes"]
+    assert serve_run["alpha_released_footprint"] < serve_run["alpha_busy_footprint"]
+    assert serve_run["after_release"] == native_and_orphan["alpha"]["completions"][:1]
+
+
+def test_stopped_model_wakes_with_requests_waiting(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    assert serve_run["stopped_after_s"] is not None
+    stopped = serve_run["beta_stopped"]
+    assert stopped["engine_pid"] is None and stopped["committed_bytes"] is None
+    assert serve_run["after_wake"] == native_and_orphan["beta"]["completions"]
+    assert (
+        'elastickv_router_wake_seconds_count{model="beta",tier="engine"} 1.0'
+        in (serve_run["wake_metrics"])
+    )
+
+
+def test_engine_killed_mid_load(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    failed = serve_run["beta_failed_replies"]
+    for reply in failed[:4]:
+        assert reply.status == 502, reply
+        assert reply.body["error"]["type"] == "engine_failed"
+    for reply in failed[4:]:  # streams had started: an error event ends them
+        assert reply.status == 200 and reply.error_event is not None, reply
+    assert serve_run["alpha_during_kill"] == native_and_orphan["alpha"]["completions"]
+    assert serve_run["beta_record_gone_s"] is not None and serve_run["beta_record_gone_s"] < 1.0
+    assert serve_run["beta_restarted_s"] is not None
+    assert serve_run["restarts"] == 1
+    assert serve_run["after_restart"] == native_and_orphan["beta"]["completions"]
+
+
+def test_kill_9_of_serve_leaves_nothing(serve_run: dict[str, Any]) -> None:
+    assert serve_run["serve_killed_engines_gone_s"] is not None, serve_run["serve_log"]
+    assert serve_run["serve_killed_records_gone_s"] is not None
+    assert serve_run["serve_killed_total_s"] < 15
+
+
+def test_kill_9_of_a_plain_elastic_server_stops_its_engine(
+    native_and_orphan: dict[str, Any],
+) -> None:
+    before = native_and_orphan["orphan_before"]
+    assert "orphan" in before["ledger"] and len(before["engine"]) >= 2
+    assert native_and_orphan["orphan_exit_s"] is not None
+    assert native_and_orphan["orphan_record_gone_s"] is not None
+    assert native_and_orphan["orphan_total_s"] < 15
+
+
+def test_port_in_use_is_a_clear_error(cache_root: Path, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        config = serve_config(tmp_path / "serve.toml", port, tmp_path / "logs")
+        env = hermetic_env(
+            cache_root, {"ELASTICKV_LEDGER_DIR": str(tmp_path / "ledger")}, multiprocess=True
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(config)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 2, stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in stderr
+    assert "Traceback" not in stderr
+    assert session_processes(proc.pid) == []  # no engine was started
+    assert ledger_names(tmp_path / "ledger") == {}

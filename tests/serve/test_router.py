@@ -1,0 +1,200 @@
+"""The router over real HTTP, with a small aiohttp app standing in for a vLLM engine (the
+real engines are in tests/integration_vllm/test_vllm_plugin_v032_serve.py): routing by
+``model``, errors in the OpenAI format, pass-through of upstream statuses and streams, a
+client disconnect closing the upstream request, an engine that dies, the wake queue bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from elastickv.serve.config import ModelConfig
+from elastickv.serve.engine import EngineLaunch
+from elastickv.serve.metrics import ServeMetrics
+from elastickv.serve.model import ModelHooks, ModelState, ServedModel
+from elastickv.serve.router import Router
+
+
+class FakeEngine:
+    """What the router reads of a running engine: its launch (URL)."""
+
+    def __init__(self, port: int) -> None:
+        self.launch = EngineLaunch("m", (), {}, port, Path("/dev/null"))
+        self.pid = 0
+
+
+@asynccontextmanager
+async def site(app: web.Application) -> AsyncIterator[int]:
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    tcp = web.TCPSite(runner, "127.0.0.1", 0)
+    await tcp.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+def upstream_app(events: dict[str, Any]) -> web.Application:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        events.setdefault("bodies", []).append(body)
+        if body.get("max_tokens", 0) > 1000:
+            return web.json_response({"error": {"message": "too long", "code": 400}}, status=400)
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i in range(3):
+                await response.write(
+                    f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
+                )
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        if body.get("prompt") == "slow":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                events["cancelled"] = True
+                raise
+        return web.json_response({"choices": [{"text": "ok"}]}, headers={"X-Upstream": "1"})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    return app
+
+
+def served(name: str, port: int | None, state: ModelState, queue_limit: int = 8) -> ServedModel:
+    async def nothing(_: str) -> None:
+        return None
+
+    hooks = ModelHooks(
+        launch=lambda m: EngineLaunch(m.name, (), {}, 0, Path("/dev/null")),
+        session=None,  # type: ignore[arg-type]
+        changed=lambda: None,
+        restore_kv=nothing,
+        release_kv=nothing,
+        engine_ready=nothing,
+        woke=lambda *a: None,
+    )
+    model = ServedModel(
+        ModelConfig(name=name, source="tiny-llama"), hooks, queue_limit=queue_limit,
+        wake_timeout_s=0.5,
+    )  # fmt: skip
+    model.state = state
+    if port is not None:
+        model.engine = FakeEngine(port)  # type: ignore[assignment]
+    return model
+
+
+def run(test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[None]]) -> None:
+    async def main() -> None:
+        events: dict[str, Any] = {}
+        async with site(upstream_app(events)) as upstream, aiohttp.ClientSession() as session:
+            models = {
+                "alpha": served("alpha", upstream, ModelState.IDLE),
+                "dead": served("dead", 1, ModelState.IDLE),  # nothing listens on port 1
+                "asleep": served("asleep", None, ModelState.STARTING, queue_limit=0),
+            }
+            metrics = ServeMetrics(lambda: (0, []))
+            router = Router(models, metrics, session, lambda: {"models": []})
+            async with site(router.app()) as port:
+                await test(f"http://127.0.0.1:{port}", events, models)
+
+    asyncio.run(main())
+
+
+def test_routes_by_model_and_passes_answers_through() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(
+                base + "/v1/completions", json={"model": "alpha", "prompt": "x"}
+            ) as r:
+                assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok"
+                assert r.headers["X-Upstream"] == "1"
+            async with client.post(
+                base + "/v1/chat/completions", json={"model": "alpha", "max_tokens": 5000}
+            ) as r:
+                assert r.status == 400 and (await r.json())["error"]["message"] == "too long"
+            async with client.post(
+                base + "/v1/completions", json={"model": "alpha", "stream": True}
+            ) as r:
+                assert r.content_type == "text/event-stream"
+                assert (await r.text()).count("data: ") == 4
+            async with client.get(base + "/v1/models") as r:
+                listed = {m["id"]: m["state"] for m in (await r.json())["data"]}
+                assert listed == {"alpha": "idle", "dead": "idle", "asleep": "starting"}
+            async with client.get(base + "/metrics") as r:
+                text = await r.text()
+                assert 'elastickv_router_ttft_seconds_count{model="alpha"} 3.0' in text
+                assert 'elastickv_router_requests_total{model="alpha",status="400"} 1.0' in text
+        assert models["alpha"].in_flight == 0 and models["alpha"].state is ModelState.IDLE
+
+    run(check)
+
+
+def test_errors_are_openai_shaped() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(base + "/v1/completions", json={"model": "nope"}) as r:
+                body = await r.json()
+                assert r.status == 404 and body["error"]["param"] == "model"
+                assert "alpha, dead, asleep" in body["error"]["message"]
+            async with client.post(base + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+            async with client.post(base + "/v1/completions", json={"prompt": "x"}) as r:
+                assert (
+                    r.status == 400 and "no 'model' field" in (await r.json())["error"]["message"]
+                )
+            async with client.post(base + "/v1/completions", json={"model": "dead"}) as r:
+                body = await r.json()
+                assert r.status == 502 and body["error"]["type"] == "engine_failed"
+            async with client.post(base + "/v1/completions", json={"model": "asleep"}) as r:
+                assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+                assert "queue_limit 0" in (await r.json())["error"]["message"]
+
+    run(check)
+
+
+def test_client_disconnect_cancels_the_upstream_request() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        async with aiohttp.ClientSession() as client:
+            request = asyncio.create_task(
+                client.post(base + "/v1/completions", json={"model": "alpha", "prompt": "slow"})
+            )
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if events.get("bodies"):
+                    break
+            assert models["alpha"].in_flight == 1
+            request.cancel()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if events.get("cancelled"):
+                break
+        assert events.get("cancelled") is True
+        assert models["alpha"].in_flight == 0
+
+    run(check)
+
+
+def test_a_waiting_request_times_out_with_503() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        models["asleep"].queue_limit = 4
+        url = base + "/v1/completions"
+        async with (
+            aiohttp.ClientSession() as client,
+            client.post(url, json={"model": "asleep"}) as r,
+        ):
+            body = await r.json()
+        assert r.status == 503 and "did not become ready" in body["error"]["message"]
+        assert models["asleep"].waiting == 0
+
+    run(check)

@@ -1,0 +1,171 @@
+"""``elastickv serve`` configuration: defaults, TOML, flags, and an exact error for every bad
+field — before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from elastickv.serve.config import (
+    ServeConfigError,
+    builtin_config,
+    config_from_flags,
+    config_from_mapping,
+    load_config,
+)
+
+
+def model(**fields: object) -> dict[str, object]:
+    return {"name": "a", "model": "tiny-llama", **fields}
+
+
+def mapping(*models: dict[str, object], **device: object) -> dict[str, object]:
+    return {"device": {"budget": "64M", **device}, "model": list(models)}
+
+
+def test_no_configuration_serves_two_builtin_models_of_different_shapes() -> None:
+    from elastickv.models import BUILTIN_MODELS
+
+    config = builtin_config()
+    assert [m.source for m in config.models] == ["tiny-llama", "tiny-llama-bf16"]
+    shapes = {
+        (s.num_hidden_layers, s.num_key_value_heads, s.head_dim, s.dtype)
+        for s in (BUILTIN_MODELS[m.source] for m in config.models)
+    }
+    assert len(shapes) == 2
+    assert config.host == "127.0.0.1"
+    assert sum(m.min_kv for m in config.models) <= config.budget
+    assert config_from_flags([], min_kv=None, max_kv=None) == config
+
+
+def test_toml_file_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        """
+[router]
+port = 9000
+queue_limit = 4
+wake_timeout = "2m"
+
+[device]
+budget = "1G"
+page_size = "64K"
+
+[[model]]
+name = "chat"
+model = "tiny-llama"
+args = ["--enforce-eager"]
+min_kv = "64M"
+max_kv = "512M"
+priority = 2
+pinned = true
+release_after = "10s"
+stop_after = "never"
+
+[[model]]
+model = "tiny-llama-bf16"
+"""
+    )
+    config = load_config(path)
+    chat, other = config.models
+    assert (config.port, config.queue_limit, config.wake_timeout_s) == (9000, 4, 120.0)
+    assert (config.budget, config.page_size) == (1 << 30, 64 << 10)
+    assert chat.args == ("--enforce-eager",) and chat.priority == 2 and chat.pinned
+    assert (chat.min_kv, chat.max_kv, chat.release_after_s, chat.stop_after_s) == (
+        64 << 20,
+        512 << 20,
+        10.0,
+        None,
+    )
+    assert other.name == "tiny-llama-bf16"
+    # No max_kv: the budget minus the others' floors.
+    assert config.cap_of(other) == (1 << 30) - (64 << 20)
+    assert config.cap_of(chat) == 512 << 20
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (mapping(model(min_kv="3X")), "min_kv = '3X': not a size"),
+        (mapping(model(max_kv="1M", min_kv="2M")), "max_kv = 1.0 MiB is below its min_kv"),
+        (mapping(model(priority="high")), "priority = 'high': must be a whole number"),
+        (mapping(model(pinned="yes")), "pinned = 'yes': use true or false"),
+        (mapping(model(release_after="soon")), "release_after = 'soon': not a positive"),
+        (mapping(model(stop_after=-1)), "stop_after = -1: not a positive duration"),
+        (mapping(model(args="--enforce-eager")), "args = '--enforce-eager': must be a list"),
+        (mapping(model(colour="red")), "unknown field(s) colour"),
+        (mapping(model(model="/no/such/dir")), "'/no/such/dir' is neither a model directory"),
+        (mapping(model(), model(name="a")), "model name 'a' is used twice"),
+        (mapping(model(name="bad name")), "model name 'bad name'"),
+        (mapping(model(min_kv="60M"), model(name="b", min_kv="8M")), "cannot guarantee"),
+        (mapping(model(), page_size="3K"), "page_size = 3072: must be a power of two"),
+        (mapping(model(), budget="lots"), "[device] budget = 'lots': not a size"),
+        ({"device": {"budget": "1G"}}, "no [[model]] tables"),
+        ({"model": [model()]}, "[device] budget is required"),
+        ({**mapping(model()), "router": {"port": 70000}}, "[router] port = 70000"),
+        ({**mapping(model()), "router": {"prot": 1}}, "[router]: unknown field(s) prot"),
+        ({**mapping(model()), "python": "/no/python"}, "python = '/no/python' is not an exec"),
+        ({**mapping(model()), "extra": 1}, "the top level: unknown field(s) extra"),
+    ],
+)
+def test_every_bad_field_is_named_with_its_value(data: dict[str, object], needle: str) -> None:
+    with pytest.raises(ServeConfigError) as info:
+        config_from_mapping(data, source="t.toml")
+    assert needle in str(info.value)
+
+
+def test_model_directory_needs_a_config_json(tmp_path: Path) -> None:
+    with pytest.raises(ServeConfigError, match=r"has no config\.json"):
+        config_from_mapping(mapping(model(model=str(tmp_path))), source="t.toml")
+    (tmp_path / "config.json").write_text("{}")
+    config = config_from_mapping(mapping(model(model=str(tmp_path))), source="t.toml")
+    assert not config.models[0].builtin
+
+
+def test_flags_need_a_budget_and_name_models() -> None:
+    with pytest.raises(ServeConfigError, match="--budget is required"):
+        config_from_flags(["tiny-llama"], min_kv=None, max_kv=None)
+    config = config_from_flags(
+        ["chat=tiny-llama", "tiny-llama-bf16"], min_kv="8M", max_kv=None, budget=64 << 20
+    )
+    assert [m.name for m in config.models] == ["chat", "tiny-llama-bf16"]
+    assert all(m.min_kv == 8 << 20 for m in config.models)
+    with pytest.raises(ServeConfigError, match="need --model"):
+        config_from_flags([], min_kv="1M", max_kv=None)
+
+
+def test_unreadable_or_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ServeConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[device\nbudget=")
+    with pytest.raises(ServeConfigError, match="not valid TOML"):
+        load_config(broken)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", *args],
+        capture_output=True, text=True, timeout=120, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_cli_rejects_bad_config_before_starting_anything(tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text('[device]\nbudget = "1G"\n[[model]]\nmodel = "/does/not/exist"\n')
+    proc = run_cli("--config", str(path))
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("elastickv: error: model 'exist': model = '/does/not/exist'")
+    assert "Traceback" not in proc.stderr
+    proc = run_cli("--config", str(path), "--model", "tiny-llama")
+    assert proc.returncode == 2 and "cannot be combined with --config" in proc.stderr
+
+
+def test_cli_check_prints_the_plan() -> None:
+    proc = run_cli("--check")
+    assert proc.returncode == 0, proc.stderr
+    assert "tiny-llama:" in proc.stdout and "tiny-llama-bf16:" in proc.stdout
+    assert "KV budget 32.0 MiB" in proc.stdout
