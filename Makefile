@@ -21,8 +21,10 @@ VLLM_TESTS := tests/vllm tests/integration_vllm
 
 .PHONY: demo test venv vllm-venvs clean
 
-demo: $(STAMP)
-	$(VENV)/bin/elastickv demo
+# The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
+# the cached vLLM 0.32 environment), a live memory view, a picture, a summary.
+demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
+	$(VENV)/bin/elastickv demo --python $(abspath $(VLLM_VENV_ROOT))/vllm-0.32/bin/python
 
 # Lint and type-check, then the suite in the project venv, then the real-vLLM tests once
 # inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder

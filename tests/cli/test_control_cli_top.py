@@ -196,3 +196,16 @@ def test_frame_fits_the_terminal(ledger: Ledger) -> None:
     screen = console.export_text()
     assert all(len(line) <= 80 for line in screen.splitlines())
     assert "draining 4.0 MiB" in screen and "a-rather-long" in screen
+
+
+def test_frame_shows_the_state_of_served_models(ledger: Ledger) -> None:
+    with ledger.register("chat"), ledger.register("other"):
+        console = Console(record=True, width=100, color_system=None)
+        frame = render_frame(
+            ledger.snapshot(), device="host", interval=1.0, served={"chat": "kv-released"}
+        )
+        console.print(frame)
+    lines = console.export_text().splitlines()
+    chat = next(line for line in lines if line.startswith("chat"))
+    other = next(line for line in lines if line.startswith("other"))
+    assert "kv-released" in chat and "kv-released" not in other

@@ -1,4 +1,4 @@
-"""``elastickv layout explain`` and ``elastickv demo`` through the real console script."""
+"""``elastickv layout explain`` and ``elastickv layout tour`` through the real console script."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_demo_runs_every_layout_for_real(tmp_path: Path) -> None:
-    result = run_cli("demo", "--json", "--model-dir", str(tmp_path))
+def test_tour_runs_every_layout_for_real(tmp_path: Path) -> None:
+    result = run_cli("layout", "tour", "--json", "--model-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     models = {r["model"] for r in rows}

@@ -17,10 +17,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from plugin_harness import free_port, hermetic_env, pool_fds
 from serve_harness import (
@@ -201,7 +201,9 @@ def serve_run(
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     config = serve_config(work / "serve.toml", port, work / "engine-logs")
-    env = hermetic_env(cache_root, {"ELASTICKV_LEDGER_DIR": str(ledger_dir)}, multiprocess=True)
+    # The engines inherit the commit check: a forward touching an uncommitted page fails.
+    extra = {"ELASTICKV_LEDGER_DIR": str(ledger_dir), "ELASTICKV_CHECK_COMMITS": "1"}
+    env = hermetic_env(cache_root, extra, multiprocess=True)
     r: dict[str, Any] = {"ledger_dir": ledger_dir}
     started = time.monotonic()
     with serve_process(config, env, work / "serve.log", port) as proc:
@@ -257,46 +259,48 @@ def serve_run(
         time.sleep(0.3)  # the arbiter's next look no longer sees a record
         r["beta_stopped"] = describe(base)["beta"]
         wake_started = time.monotonic()
-        r["after_wake"] = outputs(post_all(base, workload("beta")["completions"]))
+        with ThreadPoolExecutor(1) as one:
+            waking = one.submit(post_all, base, workload("beta")["completions"])
+            waiting = [0]
+            while not waking.done():
+                waiting.append(describe(base)["beta"]["waiting"])
+                time.sleep(0.2)
+            r["after_wake"] = outputs(waking.result())
         r["wake_s"] = round(time.monotonic() - wake_started, 1)
+        r["max_waiting_during_wake"] = max(waiting)
         r["wake_metrics"] = urlread(base + "/metrics")
         # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
         beta_pid = describe(base)["beta"]["engine_pid"]
-        beta_session = session_processes(beta_pid)
-        with contextlib.ExitStack():
-            import concurrent.futures as cf
-
-            with cf.ThreadPoolExecutor(16) as pool_exec:
-                beta_long = [
-                    pool_exec.submit(
-                        post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
-                    )
-                    for i in range(4)
-                ] + [
-                    pool_exec.submit(
-                        post,
-                        base,
-                        "/v1/completions",
-                        complete("beta", load_prompt(i), 400, stream=True),
-                    )
-                    for i in range(2)
-                ]
-                alpha_during = [
-                    pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
-                ]
-                wait_until(lambda: describe(base)["beta"]["in_flight"] >= 6, 30, 0.05)
-                time.sleep(0.5)
-                os.kill(beta_pid, signal.SIGKILL)
-                killed = time.monotonic()
-                r["beta_record_gone_s"] = wait_until(
-                    lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
+        with ThreadPoolExecutor(16) as pool_exec:
+            beta_long = [
+                pool_exec.submit(
+                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
                 )
-                r["beta_processes_gone_s"] = wait_until(
-                    lambda: not any(psutil.pid_exists(p) and p in session_processes(beta_pid)
-                                    for p in beta_session), 10, 0.05,
-                )  # fmt: skip
-                r["beta_failed_replies"] = [f.result() for f in beta_long]
-                r["alpha_during_kill"] = outputs([f.result() for f in alpha_during])
+                for i in range(4)
+            ] + [
+                pool_exec.submit(
+                    post,
+                    base,
+                    "/v1/completions",
+                    complete("beta", load_prompt(i), 400, stream=True),
+                )
+                for i in range(2)
+            ]
+            alpha_during = [
+                pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
+            ]
+            wait_until(lambda: describe(base)["beta"]["in_flight"] >= 6, 30, 0.05)
+            time.sleep(0.5)
+            os.kill(beta_pid, signal.SIGKILL)
+            killed = time.monotonic()
+            r["beta_record_gone_s"] = wait_until(
+                lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
+            )
+            r["beta_processes_gone_s"] = wait_until(
+                lambda: not session_processes(beta_pid), 10, 0.05
+            )
+            r["beta_failed_replies"] = [f.result() for f in beta_long]
+            r["alpha_during_kill"] = outputs([f.result() for f in alpha_during])
         r["beta_restarted_s"] = wait_until(
             lambda: state_of(base, "beta") in ("idle", "serving"), 300, 0.5
         )
@@ -376,7 +380,13 @@ def test_shared_budget_moves_memory_and_is_never_exceeded(
     serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
 ) -> None:
     for name in MODELS:
-        assert serve_run["load"][name] == native_and_orphan[name]["load"], name
+        load = serve_run["load"][name]
+        assert len(load) == LOAD_REQUESTS
+        assert all(status == 200 and len(ids) == LOAD_TOKENS for status, ids in load), name
+    # fp32 greedy ids do not depend on how requests were batched or preempted: equal to
+    # native. (bf16 ones may: a different batch changes bf16 rounding near ties, in native
+    # vLLM as well, so the bf16 model is checked for completeness above.)
+    assert serve_run["load"]["alpha"] == native_and_orphan["alpha"]["load"]
     assert serve_run["samples"] > 20
     assert 0 < serve_run["peak_total"] <= BUDGET
     # Each burst alone needs more than an even split of the budget.
@@ -424,6 +434,7 @@ def test_stopped_model_wakes_with_requests_waiting(
     assert serve_run["stopped_after_s"] is not None
     stopped = serve_run["beta_stopped"]
     assert stopped["engine_pid"] is None and stopped["committed_bytes"] is None
+    assert serve_run["max_waiting_during_wake"] == len(SHORT)  # all queued during the wake
     assert serve_run["after_wake"] == native_and_orphan["beta"]["completions"]
     assert (
         'elastickv_router_wake_seconds_count{model="beta",tier="engine"} 1.0'

@@ -52,7 +52,7 @@ def _file_bytes(model_dir: Path) -> dict[str, bytes]:
 
 
 def test_builtin_specs_differ_in_shape_and_dtype() -> None:
-    assert set(BUILTIN_MODELS) == {TINY_LLAMA.name, TINY_LLAMA_BF16.name}
+    assert set(BUILTIN_MODELS) == {TINY_LLAMA.name, TINY_LLAMA_BF16.name, "tiny-llama-deep"}
     assert TINY_LLAMA.dtype == "float32"
     assert TINY_LLAMA_BF16.dtype == "bfloat16"
     for field in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim"):

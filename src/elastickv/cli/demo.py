@@ -1,204 +1,238 @@
-"""``elastickv demo``: the geometry at work on built-in models, in every layout.
-
-For each model and layout it builds a real backing, writes a distinct value into every
-block of every layer through the engine-facing views, and checks — through the geometry's
-per-block byte ranges — that each block's bytes hold exactly its own value and nothing
-else was written. The printed costs are for a realistic block count.
+"""``elastickv demo``: the main job. It starts ``elastickv serve`` with the two built-in tiny
+models on one small KV budget, drives a bursty load at each model in turn, and shows each
+model's committed KV memory growing with its burst and shrinking when it idles, live. It then
+writes a picture of the run, prints a three-line summary, and stops everything it started.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from rich.console import Console
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
-from elastickv.geometry import (
-    AttentionKind,
-    GeometryError,
-    KVCacheGeometry,
-    KVLayout,
-    build_layer_views,
-    vllm028_layout,
-)
-from elastickv.geometry.report import DEFAULT_PAGE_SIZE, explain
-from elastickv.models.shapes import DEEPSEEK_V2_LITE, LLAMA3_8B, ModelShape
+from elastickv.cli.errors import UserError
+from elastickv.cli.top_view import usage_bar
 from elastickv.units import format_bytes
 
-_CHECK_BLOCKS = 6  # blocks really allocated and written per case
-_REPORT_BLOCKS = 4096  # blocks the printed costs assume
-
-
-@dataclass(frozen=True)
-class Case:
-    label: str
-    overrides: dict[str, object]
-
-
-def cases() -> list[Case]:
-    """Every layout of both contracts, plus a split-kernel and a quantized variant."""
-    out = [Case(f"0.32 {m.name}", {"layout": m, "contract": "0.32"}) for m in KVLayout]
-    for name in ("NHD", "HND"):
-        for cross in (False, True):
-            layout = vllm028_layout(name, cross_layer=cross)
-            label = f"0.28 {name}{' cross-layer' if cross else ''}"
-            out.append(Case(label, {"layout": layout, "contract": "0.28"}))
-    out.append(Case("0.32 HND kernel 8", {"layout": "HND", "kernel_block_size": 8}))
-    out.append(
-        Case("0.28 NHD split K/V", {"kind": "split_kv", "layout": "NHD", "contract": "0.28"})
-    )
-    out.append(Case("0.32 HND fp8", {"layout": "HND", "kv_cache_dtype": "fp8"}))
-    return out
+MODELS = ("tiny-llama", "tiny-llama-bf16")
+BUDGET = 32 << 20
+RELEASE_AFTER_S = 4
+LINGER_S = 8.0  # keep watching after the load, so the release shows
 
 
 def register(commands: Any) -> None:
     p = commands.add_parser(
         "demo",
-        help="run the geometry on built-in models in every layout",
+        help="serve the built-in models under a bursty load, live",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model-dir", type=Path, help="where to build the tiny test models")
-    p.add_argument("--json", action="store_true", help="print results as JSON lines")
+    p.add_argument(
+        "--plot", type=Path, default=Path("elastickv-demo.png"), help="picture of the run (PNG)"
+    )
+    p.add_argument("--peak", type=int, default=4, help="peak requests/s of each burst")
+    p.add_argument("--python", help="the Python with vLLM for the engines (default: found)")
     p.set_defaults(run=run_demo)
 
 
+def _config(work: Path, port: int, python: str | None) -> Path:
+    lines = [f'log_dir = "{work / "logs"}"']
+    if python:
+        lines.append(f'python = "{python}"')
+    lines += [
+        "[router]", f"port = {port}", "queue_limit = 256",
+        "[device]", f"budget = {BUDGET}", 'page_size = "64K"',
+    ]  # fmt: skip
+    for model in MODELS:
+        lines += [
+            "[[model]]", f'model = "{model}"', 'args = ["--enforce-eager", "--block-size", "32"]',
+            'min_kv = "2M"', f'release_after = "{RELEASE_AFTER_S}s"', 'stop_after = "never"',
+        ]  # fmt: skip
+    path = work / "demo.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if args.peak < 1:
+        raise UserError(f"--peak must be at least 1, got {args.peak}")
     console = Console()
-    shapes = [LLAMA3_8B, DEEPSEEK_V2_LITE, *_tiny_model_shapes(args.model_dir, console)]
-    failures = 0
-    for shape in shapes:
-        rows = [_run_case(shape, case) for case in _cases_for(shape)]
-        failures += sum(not r["ok"] for r in rows)
-        if args.json:
-            for row in rows:
-                print(json.dumps({"model": shape.name, **row}))
-        else:
-            _render(console, shape, rows)
-    if not args.json:
-        status = "[green]all checks passed[/]" if not failures else f"[red]{failures} failed[/]"
-        console.print(status)
-    return 1 if failures else 0
+    from elastickv.serve.engine import free_port
 
-
-def _tiny_model_shapes(model_dir: Path | None, console: Console) -> list[ModelShape]:
-    """Build (or reuse) the tiny models and read their shape back from config.json."""
-    from elastickv.models.tiny import BUILTIN_MODELS, default_cache_dir, ensure_tiny_model
-
-    shapes = []
-    for name, spec in BUILTIN_MODELS.items():
-        start = time.perf_counter()
-        path = ensure_tiny_model(spec, model_dir or default_cache_dir())
-        config = json.loads((path / "config.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="elastickv-demo-") as tmp:
+        work = Path(tmp)
+        port = free_port()
+        config = _config(work, port, args.python)
+        env = dict(os.environ, ELASTICKV_LEDGER_DIR=str(work / "ledger"), HF_HUB_OFFLINE="1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        log = work / "serve.log"
         console.print(
-            f"tiny model [bold]{name}[/] ready at {path} ({time.perf_counter() - start:.1f} s)"
+            f"starting [bold]elastickv serve[/] with {' and '.join(MODELS)} on a shared KV "
+            f"budget of {format_bytes(BUDGET)} (about a minute on 2 cores)"
         )
-        shapes.append(
-            ModelShape(
-                name,
-                num_layers=config["num_hidden_layers"],
-                num_kv_heads=config["num_key_value_heads"],
-                head_size=config["head_dim"],
-                dtype=config["torch_dtype"],
-            )
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(config)],
+                env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        try:
+            base = f"http://127.0.0.1:{port}"
+            with console.status("engines starting…"):
+                _wait_ready(proc, base, log)
+            console.print(f"serving at {base}/v1; bursts of up to {args.peak} requests/s, in turn")
+            outcome = asyncio.run(_drive(base, args.peak, console))
+        finally:
+            left = _stop(proc)
+        console.print(
+            "stopped elastickv serve: "
+            + (f"processes still running: {left}" if left else "nothing left running")
         )
-    return shapes
+        _report(outcome, args.plot, console)
+        return 0 if outcome["failed"] == 0 and not left else 1
 
 
-def _cases_for(shape: ModelShape) -> list[Case]:
-    if shape.kind is AttentionKind.MLA:
-        return [
-            Case("0.32 LBHNC (MLA)", {"layout": "LBHNC"}),
-            Case("0.32 BLHNC (MLA)", {"layout": "BLHNC"}),
-            Case("0.28 MLA", {"layout": "LBHNC", "contract": "0.28"}),
-        ]
-    return cases()
+def _wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise UserError(f"elastickv serve exited during start-up:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+                states = [m["state"] for m in json.loads(response.read())["data"]]
+            if all(s in ("idle", "serving", "kv-released") for s in states):
+                return
+        time.sleep(0.5)
+    raise UserError(f"elastickv serve did not become ready in 600 s:\n{log.read_text()[-3000:]}")
 
 
-def _run_case(shape: ModelShape, case: Case) -> dict[str, Any]:
-    try:
-        check = shape.geometry(_CHECK_BLOCKS, **case.overrides)
-        report = explain(shape.geometry(_REPORT_BLOCKS, **case.overrides), DEFAULT_PAGE_SIZE)
-    except GeometryError as err:
-        return {"case": case.label, "ok": False, "error": str(err)}
-    ok = verify_block_isolation(check)
-    view = report.layers[0]
-    return {
-        "case": case.label,
-        "ok": ok,
-        "view_shape": list(view.shape),
-        "view_stride": list(view.stride),
-        "block_bytes_per_layer": report.block_bytes_per_layer,
-        "block_stride": report.block_stride,
-        "blocks_per_page": report.blocks_per_page,
-        "pages_per_block": report.pages_per_block,
-        "virtual_bytes": report.backing_bytes,
-        "warnings": report.warnings,
-    }
+async def _drive(base: str, peak: int, console: Console) -> dict[str, Any]:
+    import aiohttp
+
+    from elastickv.bench.client import run_schedule
+    from elastickv.bench.monitor import Monitor
+    from elastickv.bench.workloads import Shape, staggered_ramp
+
+    arrivals = staggered_ramp(MODELS, peak, shape=Shape(128, 32, 48), seed=0)
+    monitor = Monitor(base, MODELS)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        watch = asyncio.create_task(monitor.run(session, start))
+        load = asyncio.create_task(run_schedule(base, arrivals))
+        live = Live(_view(monitor, 0.0, len(arrivals), False), console=console,
+                    refresh_per_second=4, transient=False)  # fmt: skip
+        with live if console.is_terminal else contextlib.nullcontext():
+            last_line = 0.0
+            until: float | None = None
+            while until is None or time.monotonic() < until:
+                if load.done() and until is None:
+                    until = time.monotonic() + LINGER_S
+                elapsed = time.monotonic() - start
+                if console.is_terminal:
+                    live.update(_view(monitor, elapsed, len(arrivals), load.done()))
+                elif elapsed - last_line >= 2.0:
+                    last_line = elapsed
+                    console.print(_line(monitor, elapsed), highlight=False)
+                await asyncio.sleep(0.25)
+        watch.cancel()
+        results = await load
+    failed = sum(not r.ok for r in results)
+    return {"results": results, "memory": monitor.memory, "states": monitor.states,
+            "failed": failed, "seconds": time.monotonic() - start}  # fmt: skip
 
 
-def verify_block_isolation(geometry: KVCacheGeometry) -> bool:
-    """Write block ``b``'s value ``b + 1`` through every layer's view; read it back by bytes."""
-    backing = torch.zeros(geometry.backing_bytes, dtype=torch.uint8)
-    views = build_layer_views(geometry, backing)
-    ratio = geometry.kernel_ratio
-    block_dim = 1 if geometry.kind is AttentionKind.SPLIT_KV else 0
-    for view in views:
-        for block in range(geometry.num_blocks):
-            blocks = view.narrow(block_dim, block * ratio, ratio)
-            blocks.copy_(torch.full_like(blocks, block + 1))
-    expected = torch.zeros_like(backing)
-    for block in range(geometry.num_blocks):
-        marker = torch.full((), block + 1, dtype=geometry.storage_dtype).view(-1).view(torch.uint8)
-        for start, end in geometry.block_byte_ranges(block):
-            expected[start:end] = marker.repeat((end - start) // marker.numel())
-    return bool(torch.equal(backing, expected))
-
-
-def _render(console: Console, shape: ModelShape, rows: list[dict[str, Any]]) -> None:
-    table = Table(
-        title=f"{shape.name}: {shape.num_layers} layers, {shape.num_kv_heads} KV heads, "
-        f"head {shape.head_size}, {shape.dtype}, {_REPORT_BLOCKS} blocks of {shape.block_size} "
-        "tokens; every case written and read back for real",
-        title_justify="left",
-    )
-    for column in (
-        "layout",
-        "layer-0 view shape",
-        "stride",
-        "block/layer",
-        "block stride",
-        "blocks/page",
-        "pages/block",
-        "check",
-    ):
-        table.add_column(column, justify="left" if column == "layout" else "right", no_wrap=True)
-    for row in rows:
-        if "error" in row:
-            table.add_row(row["case"], f"[red]{row['error']}[/]", *[""] * 5, "[red]x[/]")
-            continue
-        flag = " [yellow]![/]" if row["warnings"] else ""
+def _view(monitor: Any, elapsed: float, total: int, done: bool) -> Group:
+    table = Table(box=None, pad_edge=False)
+    for column in ("MODEL", "STATE", f"KV COMMITTED (of {format_bytes(BUDGET)} shared)", "", ""):
+        table.add_column(column, no_wrap=True)
+    for m in monitor.latest:
+        used = m["committed_bytes"] or 0
         table.add_row(
-            row["case"] + flag,
-            "x".join(map(str, row["view_shape"])),
-            ",".join(map(str, row["view_stride"])),
-            format_bytes(row["block_bytes_per_layer"]),
-            format_bytes(row["block_stride"]),
-            f"{row['blocks_per_page']:.3g}",
-            str(row["pages_per_block"]),
-            "[green]ok[/]" if row["ok"] else "[red]FAIL[/]",
-        )
-    console.print(table)
-    seen: set[str] = set()
-    for row in rows:
-        for warning in row.get("warnings", []):
-            key = warning.split(" ")[0]
-            if key not in seen:
-                seen.add(key)
-                console.print(f"[yellow]! {row['case']}:[/] {warning}")
+            m["name"], m["state"], usage_bar(used, 0, BUDGET, width=32),
+            format_bytes(used), f"{m['in_flight']} in flight",
+        )  # fmt: skip
+    title = Text(f"elastickv demo  {elapsed:5.1f} s  {total} requests", style="bold")
+    note = "load done; idle models release their KV…" if done else "bursty load running…"
+    return Group(title, table, Text(note, style="bright_black"))
+
+
+def _line(monitor: Any, elapsed: float) -> str:
+    parts = [
+        f"{m['name']} {m['state']} {format_bytes(m['committed_bytes'] or 0)}"
+        for m in monitor.latest
+    ]
+    return f"{elapsed:5.1f} s  " + "  |  ".join(parts)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
+    """SIGTERM serve, wait for it; the processes of its session still alive (none, normally)."""
+    import psutil
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = []
+    for other in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(other.pid) == proc.pid and other.status() != psutil.STATUS_ZOMBIE:
+                left.append(other.pid)
+    return left
+
+
+def _report(outcome: dict[str, Any], plot: Path, console: Console) -> None:
+    from elastickv.bench.plot import plot_run
+    from elastickv.bench.stats import memory_seconds, per_model
+
+    results = outcome["results"]
+    summary = per_model(results, MODELS)
+    try:
+        path = plot_run(
+            plot, {"elastickv serve": outcome}, MODELS, BUDGET,
+            f"elastickv demo: {len(results)} requests, shared KV budget {format_bytes(BUDGET)}",
+        )  # fmt: skip
+        console.print(f"picture of the run: {path.resolve()}")
+    except ImportError:
+        console.print("no picture: matplotlib is not installed (pip install 'elastickv[bench]')")
+    everything = summary["all"]
+    peaks = {m: max((s.get(m, 0) for _, s in outcome["memory"]), default=0) for m in MODELS}
+    used = memory_seconds(outcome["memory"])
+    static = BUDGET / len(MODELS) * outcome["seconds"] / (1 << 30)
+    ms = 1000.0
+    console.print(
+        f"1. {everything['requests'] - everything['failed']}/{everything['requests']} requests "
+        f"served, {everything['failed']} failed; TTFT p50 {(everything['ttft_p50'] or 0) * ms:.0f}"
+        f" ms, p99 {(everything['ttft_p99'] or 0) * ms:.0f} ms",
+        highlight=False,
+    )
+    console.print(
+        "2. each model's burst took what it needed of the shared budget: peak "
+        + ", ".join(f"{m} {format_bytes(b)}" for m, b in peaks.items())
+        + f" (a static split gives each {format_bytes(BUDGET // len(MODELS))})",
+        highlight=False,
+    )
+    released = [m for m, states in outcome["states"].items() if "kv-released" in states]
+    console.print(
+        f"3. idle models released their KV ({', '.join(released) or 'none yet'}): "
+        f"{sum(used.values()):.3f} GiB·s of KV held, vs {len(MODELS) * static:.3f} for a static "
+        "split over the same time",
+        highlight=False,
+    )

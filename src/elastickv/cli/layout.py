@@ -66,6 +66,9 @@ def register(commands: Any) -> None:
     p.add_argument("--page-size", type=_size, default=DEFAULT_PAGE_SIZE, help="mapping page (2M)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_explain)
+    from elastickv.cli import layout_tour
+
+    layout_tour.register(sub)
 
 
 def geometry_from_args(args: argparse.Namespace) -> KVCacheGeometry:

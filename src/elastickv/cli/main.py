@@ -18,7 +18,7 @@ from elastickv.cli.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("elastickv.cli.serve", "serve several models on one device behind one endpoint"),
     "layout": ("elastickv.cli.layout", "inspect KV-cache layouts"),
-    "demo": ("elastickv.cli.demo", "run the geometry on built-in models in every layout"),
+    "demo": ("elastickv.cli.demo", "serve the built-in models under a bursty load, live"),
     "list": ("elastickv.cli.instances", "list the elastic instances on a device"),
     "limit": ("elastickv.cli.limit", "set an instance's memory limit live"),
     "top": ("elastickv.cli.top", "live view of the instances on a device"),

@@ -32,6 +32,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "TINY_LLAMA",
     "TINY_LLAMA_BF16",
+    "TINY_LLAMA_DEEP",
     "TinyModelSpec",
     "build_tiny_model",
     "default_cache_dir",
@@ -197,8 +198,22 @@ TINY_LLAMA_BF16: Final = TinyModelSpec(
 )
 """3 layers, hidden 384, 6 query / 3 KV heads of size 64, bfloat16: a second shape to test on."""
 
+TINY_LLAMA_DEEP: Final = TinyModelSpec(
+    name="tiny-llama-deep",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    dtype="float32",
+    seed=2,
+)
+"""4 layers, hidden 256, 8 query / 4 KV heads of size 32, float32: the KV-hungriest built-in
+(4 KiB per token), the third shape of the multi-model benchmark."""
+
 BUILTIN_MODELS: Final[Mapping[str, TinyModelSpec]] = {
-    spec.name: spec for spec in (TINY_LLAMA, TINY_LLAMA_BF16)
+    spec.name: spec for spec in (TINY_LLAMA, TINY_LLAMA_BF16, TINY_LLAMA_DEEP)
 }
 
 

@@ -139,11 +139,7 @@ class ServeApp:
             await self._bind_router()
             self._tasks.append(asyncio.create_task(self._background()))
             for model in self.models.values():
-                try:
-                    await model.boot()
-                except EngineStartError as exc:
-                    raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
-                if stop.is_set():
+                if not await self._boot(model, stop):
                     return
             logger.info(
                 "serving %s at %s/v1 (KV budget %s)",
@@ -152,6 +148,24 @@ class ServeApp:
             await stop.wait()
         finally:
             await self.shutdown()
+
+    async def _boot(self, model: ServedModel, stop: asyncio.Event) -> bool:
+        """Start one model's engine; False if ``stop`` came first (the start is cancelled,
+        which stops the engine it began)."""
+        boot = asyncio.create_task(model.boot())
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({boot, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not boot.done():
+            boot.cancel()
+            with contextlib.suppress(asyncio.CancelledError, EngineStartError):
+                await boot
+            return False
+        try:
+            boot.result()
+        except EngineStartError as exc:
+            raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
+        return True
 
     def _build_models(self) -> None:
         assert self._session is not None
@@ -203,18 +217,19 @@ class ServeApp:
 
     async def _background(self) -> None:
         assert self.arbiter is not None
-        arbiter = asyncio.create_task(self.arbiter.run())
+        arbiter = None if self.config.static else asyncio.create_task(self.arbiter.run())
         try:
             while True:
                 now = time.monotonic()
-                for model in list(self.models.values()):
+                for model in list(self.models.values()) if arbiter is not None else []:
                     await model.apply_idle_policy(now)
                 if self._state_dirty:
                     self._state_dirty = False
                     self._publish()
                 await asyncio.sleep(IDLE_CHECK_S)
         finally:
-            arbiter.cancel()
+            if arbiter is not None:
+                arbiter.cancel()
 
     async def shutdown(self) -> None:
         """Stop the router, every engine (SIGTERM, then SIGKILL), the loops; idempotent."""
@@ -259,6 +274,8 @@ class ServeApp:
 
     async def _engine_ready(self, name: str) -> None:
         """Right after the engine's first health: what it holds now is its floor."""
+        if self.config.static:
+            return
         assert self.arbiter is not None
         self.models[name].floor_bytes = self.arbiter.committed_of(name) or 0
 
@@ -286,6 +303,7 @@ class ServeApp:
         models = []
         for m in self.models.values():
             info = records.get(m.name)
+            used, limit = self._bytes_of(m, info)
             models.append(
                 {
                     "name": m.name,
@@ -300,12 +318,27 @@ class ServeApp:
                     "priority": m.config.priority,
                     "pinned": m.config.pinned,
                     "restarts": m.restarts,
-                    "committed_bytes": None if info is None else info.used_bytes,
-                    "limit_bytes": None if info is None else info.limit_desired,
+                    "committed_bytes": used,
+                    "limit_bytes": limit,
                     "log": str(log_path(self.log_dir, m.name)),
                 }
             )
-        return {"url": self.url, "budget_bytes": self.config.budget, "models": models}
+        return {
+            "url": self.url,
+            "mode": self.config.mode,
+            "budget_bytes": self.config.budget,
+            "models": models,
+        }
+
+    def _bytes_of(self, model: ServedModel, info: Any) -> tuple[int | None, int | None]:
+        """(held, limit) bytes: the ledger's record; in static mode the fixed share while the
+        engine runs (native vLLM keeps its whole KV cache)."""
+        if self.config.static:
+            share = self.config.cap_of(model.config)
+            return (share, share) if model.engine is not None else (None, None)
+        if info is None:
+            return None, None
+        return info.used_bytes, info.limit_desired
 
     def _publish(self) -> None:
         with contextlib.suppress(OSError):
@@ -317,14 +350,15 @@ class ServeApp:
         readings = []
         for m in self.models.values():
             info = records.get(m.name)
+            used, limit = self._bytes_of(m, info)
             readings.append(
                 ModelReading(
                     name=m.name,
                     state=m.state.value,
                     in_flight=m.in_flight,
                     waiting=m.waiting,
-                    committed_bytes=0 if info is None else info.used_bytes,
-                    limit_bytes=None if info is None else info.limit_desired,
+                    committed_bytes=used or 0,
+                    limit_bytes=limit,
                     refusals=0 if info is None else info.refusals,
                     restarts=m.restarts,
                     limit_raises=0 if arbiter is None else arbiter.raises[m.name],

@@ -13,6 +13,7 @@ that names the field, the value and what is accepted.
     [device]
     budget = "2G"                 # the KV bytes all models share (B)
     page_size = "2M"
+    mode = "elastic"              # "static": native vLLM, budget/N each (a baseline)
 
     [[model]]
     name = "chat"                 # served name (the `model` field of a request)
@@ -90,13 +91,21 @@ class ServeConfig:
     python: str | None = None
     log_dir: str | None = None
     hot_max_pages: int = 4
+    mode: str = "elastic"  # or "static": native vLLM, a fixed budget/N each (a baseline)
     source: str = "built-in defaults"  # where it came from, for messages
+
+    @property
+    def static(self) -> bool:
+        return self.mode == "static"
 
     def model(self, name: str) -> ModelConfig:
         return next(m for m in self.models if m.name == name)
 
     def cap_of(self, model: ModelConfig) -> int:
-        """The model's effective cap: ``max_kv``, else what the others' floors leave."""
+        """The model's effective cap: ``max_kv``, else what the others' floors leave; in
+        static mode its fixed share, ``budget / number of models``."""
+        if self.static:
+            return self.budget // len(self.models)
         others = sum(m.min_kv for m in self.models if m is not model)
         cap = self.budget - others if model.max_kv is None else model.max_kv
         return min(cap, self.budget - others)
@@ -140,7 +149,8 @@ def builtin_config(**overrides: Any) -> ServeConfig:
 # -- reading ----------------------------------------------------------------------------------
 
 _ROUTER_KEYS = {"host", "port", "queue_limit", "wake_timeout"}
-_DEVICE_KEYS = {"budget", "page_size", "hot_max_pages"}
+_DEVICE_KEYS = {"budget", "page_size", "hot_max_pages", "mode"}
+MODES = ("elastic", "static")
 _TOP_KEYS = {"router", "device", "model", "python", "log_dir"}
 _MODEL_KEYS = {
     "name",
@@ -193,6 +203,8 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: An
     values["budget"] = _size(device["budget"], "[device] budget")
     if "page_size" in device:
         values["page_size"] = _size(device["page_size"], "[device] page_size")
+    if "mode" in device:
+        values["mode"] = _str(device["mode"], "[device] mode")
     if "hot_max_pages" in device:
         values["hot_max_pages"] = _int(device["hot_max_pages"], "[device] hot_max_pages")
     if "host" in router:
@@ -294,6 +306,10 @@ def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
 def _validate(config: ServeConfig) -> None:
     if not config.models:
         raise ServeConfigError("no models to serve")
+    if config.mode not in MODES:
+        raise ServeConfigError(
+            f'[device] mode = {config.mode!r}: use "elastic" (default) or "static"'
+        )
     seen: set[str] = set()
     for m in config.models:
         if not _NAME.match(m.name):

@@ -26,6 +26,9 @@ import psutil
 from elastickv.serve.config import ModelConfig, ServeConfig
 
 PR_SET_PDEATHSIG = 1
+# ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
+# is set by serve from the configuration.
+PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -74,7 +77,8 @@ def build_launch(
     ``ELASTICKV=1`` with the model's served name as its ledger instance, ``min_kv`` as its
     starting limit and its cap as the virtual KV capacity vLLM sees. ``--kv-cache-memory-bytes``
     (the cap) skips vLLM's start-up check of free host memory, which a second engine on the
-    same host would otherwise fail."""
+    same host would otherwise fail. In static mode (a baseline) the engine is native vLLM
+    whose KV cache is its fixed share of the budget."""
     cap = config.cap_of(model)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
     argv += ["--served-model-name", model.name, "--host", "127.0.0.1", "--port", str(port)]
@@ -86,6 +90,9 @@ def build_launch(
         for k, v in (os.environ if base_env is None else base_env).items()
         if not k.startswith("ELASTICKV")
     }
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if config.static:  # the baseline: native vLLM with its fixed share of the budget
+        return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
     env.update(
         ELASTICKV="1",
         ELASTICKV_INSTANCE=model.name,
@@ -94,10 +101,10 @@ def build_launch(
         ELASTICKV_PAGE_SIZE=str(config.page_size),
         ELASTICKV_HOT_MAX_PAGES=str(config.hot_max_pages),
     )
-    ledger_dir = (os.environ if base_env is None else base_env).get("ELASTICKV_LEDGER_DIR")
-    if ledger_dir:
-        env["ELASTICKV_LEDGER_DIR"] = ledger_dir
-    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    source = os.environ if base_env is None else base_env
+    for passed in PASSED_SETTINGS:  # where the ledger is, and debugging aids
+        if source.get(passed):
+            env[passed] = source[passed]
     return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
 
 

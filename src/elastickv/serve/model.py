@@ -150,16 +150,22 @@ class ServedModel:
         return seconds
 
     async def stop(self, *, final: bool = False) -> None:
-        """Stop the engine (tier 2, or ``serve`` shutting down when ``final``)."""
-        self._closing = self._closing or final
+        """Stop the engine (tier 2, or ``serve`` shutting down when ``final``: a start, wake
+        or restart in progress is cancelled first, which stops the engine it started)."""
+        if final:
+            self._closing = True
+            pending = [t for t in (self._wake, self._monitor) if t is not None and not t.done()]
+            for task in pending:
+                task.cancel()
+            for task in pending:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         async with self._lifecycle:
             engine, self.engine = self.engine, None
             if not final:
                 self._set(ModelState.STOPPED)
             if engine is not None:
                 await engine.stop()
-        if final and self._wake is not None:
-            self._wake.cancel()
 
     def kill(self) -> None:
         """Synchronous last resort at exit: SIGKILL the engine's processes."""

@@ -160,6 +160,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 break  # only live blocks remain: they drain as requests finish
         return released
 
+    def sync_limit_idle(self) -> int:
+        """:meth:`sync_limit` while the engine waits for work (its idle ticks): always reads
+        the ledger, and leaves the next scheduler step free to read it again, so a limit
+        lowered just before a request arrives is applied before that request's blocks are
+        placed."""
+        self._next_limit_check = 0.0
+        try:
+            return self.sync_limit()
+        finally:
+            self._next_limit_check = 0.0
+
     def close_elastic(self) -> None:
         """Engine shutdown: return every page and unregister from the ledger."""
         self._trim_stash(0)

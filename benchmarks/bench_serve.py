@@ -1,0 +1,344 @@
+"""Several models on one KV budget B: a static split against ``elastickv serve``, same load.
+
+Three tiny models of different shapes (``tiny-llama``, ``tiny-llama-bf16``,
+``tiny-llama-deep``) behind one router, two arms in one run, the same seeded workloads:
+
+* **static** — native vLLM (no elastickv), each engine's KV cache fixed at B/3
+  (``elastickv serve`` in ``mode = "static"``: the same router, so only memory differs);
+* **elastic** — ``elastickv serve``: the engines share B by demand, idle models release their
+  KV and long-idle ones stop.
+
+Workloads (seeded; prompts of ``--prompt`` token ids, outputs 32–64 tokens, ``ignore_eos``):
+``ramp`` (kvcached's staggered ramp 1 → P → 1 req/s, models ``P/4 + 2P`` s apart),
+``correlated`` (two models ramp together), ``idle`` (bursts separated by gaps longer than
+the idle stop time: sleep and wake). Reported per model and arm: TTFT mean/p50/p99, end to
+end, time per output token, failures, vLLM preemptions and peak waiting requests (scraped
+from each engine), wake latency, memory-seconds; and static/elastic ratios. The regime is
+proven from the static arm's own counters: it must preempt or queue for the comparison to
+mean anything, and the report says so when it did not.
+
+    .venvs/vllm-0.32/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
+        [--workloads ramp,correlated,idle] [--peak 8] [--budget 24M] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from elastickv.bench.client import Result, run_schedule
+from elastickv.bench.monitor import Monitor
+from elastickv.bench.plot import plot_run
+from elastickv.bench.stats import memory_seconds, per_model, ratio
+from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
+from elastickv.serve.engine import free_port
+from elastickv.units import format_bytes, parse_size
+
+MODELS = ("tiny-llama", "tiny-llama-bf16", "tiny-llama-deep")
+ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "32"]
+PAGE = "64K"
+MIN_KV = 1 << 20
+RELEASE_AFTER_S = 5
+STOP_AFTER_S = 45
+IDLE_GAP_S = 60
+TARGET_P99, TARGET_MEAN = 2.0, 1.25
+
+
+def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
+    lines = [
+        f'python = "{sys.executable}"',
+        f'log_dir = "{log_dir}"',
+        "[router]",
+        f"port = {port}",
+        "queue_limit = 1024",
+        "[device]",
+        f"budget = {budget}",
+        f'page_size = "{PAGE}"',
+        f'mode = "{mode}"',
+    ]
+    for model in MODELS:
+        lines += [
+            "[[model]]",
+            f'model = "{model}"',
+            f"args = {json.dumps(ENGINE_ARGS)}",
+            f"min_kv = {MIN_KV}",
+            f'release_after = "{RELEASE_AFTER_S}s"',
+            f'stop_after = "{STOP_AFTER_S}s"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
+    """``elastickv serve`` for one arm, in its own session; yields the router URL."""
+    port = free_port()
+    config = work / f"{mode}.toml"
+    config.write_text(config_text(mode, budget, port, work / f"{mode}-logs"))
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        VLLM_CACHE_ROOT=str(work / "vllm-cache"),
+        ELASTICKV_LEDGER_DIR=str(work / f"{mode}-ledger"),
+    )
+    log = work / f"{mode}-serve.log"
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(config)],
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while not _ready(base):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"{mode} arm did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield base
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _ready(base: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+            data = json.loads(response.read())["data"]
+    except (OSError, ValueError):
+        return False
+    return all(m["state"] in ("idle", "serving", "kv-released") for m in data)
+
+
+async def drive(base: str, arrivals: list[Any]) -> tuple[list[Result], Monitor, float]:
+    monitor = Monitor(base, MODELS)
+    start = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        watch = asyncio.create_task(monitor.run(session, start))
+        try:
+            results = await run_schedule(base, arrivals)
+            await asyncio.sleep(1.0)
+        finally:
+            watch.cancel()
+    return results, monitor, time.monotonic() - start
+
+
+async def wake_latency(base: str) -> dict[str, float | None]:
+    """Mean wake latency per model and tier from the router's own histogram."""
+    async with aiohttp.ClientSession() as session, session.get(base + "/metrics") as response:
+        text = await response.text()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in text.splitlines():
+        found = re.match(
+            r'elastickv_router_wake_seconds_(sum|count)\{model="([^"]+)",tier="(\w+)"\} (\S+)', line
+        )
+        if found:
+            kind, model, tier, value = found.groups()
+            bucket = sums if kind == "sum" else counts
+            bucket[f"{model}/{tier}"] = float(value)
+    return {k: sums[k] / counts[k] if counts.get(k) else None for k in sums}
+
+
+def workloads(names: list[str], peak: int, shape: Shape) -> dict[str, list[Any]]:
+    table = {
+        "ramp": lambda: staggered_ramp(MODELS, peak, shape=shape, seed=1),
+        "correlated": lambda: correlated_burst(MODELS, peak, shape=shape, seed=2),
+        "idle": lambda: idle_gaps(MODELS, max(2, peak // 2), gap=IDLE_GAP_S, shape=shape, seed=3),
+    }
+    return {name: table[name]() for name in names}
+
+
+def run_arm(mode: str, budget: int, work: Path, plan: dict[str, list[Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    started = time.monotonic()
+    with serve(mode, budget, work) as base:
+        out["startup_s"] = round(time.monotonic() - started, 1)
+        for name, arrivals in plan.items():
+            print(f"  {mode}: workload {name} ({len(arrivals)} requests)", file=sys.stderr)
+            results, monitor, seconds = asyncio.run(drive(base, arrivals))
+            out[name] = {
+                "seconds": round(seconds, 1),
+                "results": results,
+                "memory": monitor.memory,
+                "summary": per_model(results, MODELS),
+                "preemptions": monitor.preemptions,
+                "max_waiting": monitor.max_waiting,
+                "states": {m: sorted(s) for m, s in monitor.states.items()},
+                "memory_gib_s": memory_seconds(monitor.memory),
+                "peak_total_bytes": max((sum(s.values()) for _, s in monitor.memory), default=0),
+            }
+        out["wake_latency_s"] = asyncio.run(wake_latency(base))
+    return out
+
+
+def report(
+    static: dict[str, Any], elastic: dict[str, Any], names: list[str], budget: int
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {"budget_bytes": budget, "models": list(MODELS), "workloads": {}}
+    for name in names:
+        s, e = static[name], elastic[name]
+        regime = sum(s["preemptions"].values()) > 0 or max(s["max_waiting"].values()) > 0
+        rows = {}
+        for model in [*MODELS, "all"]:
+            ss, es = s["summary"][model], e["summary"][model]
+            rows[model] = {
+                "static": ss,
+                "elastic": es,
+                "ratio_ttft_mean": ratio(ss["ttft_mean"], es["ttft_mean"]),
+                "ratio_ttft_p99": ratio(ss["ttft_p99"], es["ttft_p99"]),
+                "ratio_e2e_mean": ratio(ss["e2e_mean"], es["e2e_mean"]),
+            }
+        doc["workloads"][name] = {
+            "models": rows,
+            "memory_bound_in_static": regime,
+            "static_preemptions": s["preemptions"],
+            "static_max_waiting": s["max_waiting"],
+            "elastic_preemptions": e["preemptions"],
+            "elastic_max_waiting": e["max_waiting"],
+            "elastic_states_seen": e["states"],
+            "memory_gib_s": {"static": s["memory_gib_s"], "elastic": e["memory_gib_s"]},
+            "peak_total_bytes": {"static": s["peak_total_bytes"], "elastic": e["peak_total_bytes"]},
+            "failed": {
+                "static": s["summary"]["all"]["failed"],
+                "elastic": e["summary"]["all"]["failed"],
+            },
+        }
+    doc["startup_s"] = {"static": static["startup_s"], "elastic": elastic["startup_s"]}
+    doc["wake_latency_s"] = elastic["wake_latency_s"]
+    ramp = doc["workloads"].get("ramp")
+    if ramp:
+        allm = ramp["models"]["all"]
+        doc["target"] = {
+            "p99_ttft_ratio": allm["ratio_ttft_p99"],
+            "mean_ttft_ratio": allm["ratio_ttft_mean"],
+            "met": bool(
+                (allm["ratio_ttft_p99"] or 0) >= TARGET_P99
+                and (allm["ratio_ttft_mean"] or 0) >= TARGET_MEAN
+                and ramp["failed"]["elastic"] == 0
+            ),
+        }
+    return doc
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f}ms" if unit == "s" and value < 10 else f"{value:.2f}{unit}"
+
+
+def print_table(doc: dict[str, Any]) -> None:
+    print(f"KV budget B = {format_bytes(doc['budget_bytes'])} shared by {', '.join(doc['models'])}")
+    print(
+        f"start-up: static {doc['startup_s']['static']} s, elastic {doc['startup_s']['elastic']} s"
+    )
+    for name, w in doc["workloads"].items():
+        regime = (
+            "memory-bound in the static arm"
+            if w["memory_bound_in_static"]
+            else (
+                "NOT memory-bound in the static arm (no preemption, no waiting): the comparison "
+                "shows no memory effect"
+            )
+        )
+        print(f"\n== {name}: {regime}")
+        print(f"   static preemptions {w['static_preemptions']}")
+        print(f"   static max waiting {w['static_max_waiting']}")
+        print(f"   failed: static {w['failed']['static']}, elastic {w['failed']['elastic']}")
+        header = (
+            f"   {'model':16} {'TTFT mean s/e':>18} {'ratio':>6} {'TTFT p99 s/e':>18} "
+            f"{'ratio':>6} {'e2e mean s/e':>18} {'TPOT s/e':>14} {'GiB·s s/e':>14}"
+        )
+        print(header)
+        for model, row in w["models"].items():
+            s, e = row["static"], row["elastic"]
+            mem = w["memory_gib_s"]
+            ms = (
+                f"{mem['static'].get(model, 0):.3f}/{mem['elastic'].get(model, 0):.3f}"
+                if model != "all"
+                else (f"{sum(mem['static'].values()):.3f}/{sum(mem['elastic'].values()):.3f}")
+            )
+            r1, r2 = row["ratio_ttft_mean"], row["ratio_ttft_p99"]
+            print(
+                f"   {model:16} {_fmt(s['ttft_mean']) + '/' + _fmt(e['ttft_mean']):>18} "
+                f"{(f'{r1:.2f}x' if r1 else '-'):>6} "
+                f"{_fmt(s['ttft_p99']) + '/' + _fmt(e['ttft_p99']):>18} "
+                f"{(f'{r2:.2f}x' if r2 else '-'):>6} "
+                f"{_fmt(s['e2e_mean']) + '/' + _fmt(e['e2e_mean']):>18} "
+                f"{_fmt(s['tpot_mean']) + '/' + _fmt(e['tpot_mean']):>14} {ms:>14}"
+            )
+    if "target" in doc:
+        t = doc["target"]
+        print(
+            f"\ntarget on ramp (p99 ratio >= {TARGET_P99}, mean >= {TARGET_MEAN}, 0 failed): "
+            f"{'met' if t['met'] else 'missed'} "
+            f"(p99 {t['p99_ttft_ratio']}, mean {t['mean_ttft_ratio']})"
+        )
+    print(f"wake latency (elastic, mean s by model/tier): {doc['wake_latency_s']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", type=Path, help="write the picture of the ramp workload (PNG)")
+    parser.add_argument("--workloads", default="ramp,correlated,idle")
+    parser.add_argument("--peak", type=int, default=8, help="P: peak requests/s of a ramp")
+    parser.add_argument("--budget", default="24M", help="B, the KV bytes the models share")
+    parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--quick", action="store_true", help="ramp only, peak 6")
+    args = parser.parse_args()
+    names = ["ramp"] if args.quick else [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = set(names) - {"ramp", "correlated", "idle"}
+    if unknown:
+        parser.error(
+            f"unknown workload(s) {', '.join(sorted(unknown))}; use ramp, correlated, idle"
+        )
+    budget = parse_size(args.budget)
+    plan = workloads(names, 6 if args.quick else args.peak, Shape(prompt_tokens=args.prompt))
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        work = Path(tmp)
+        static = run_arm("static", budget, work, plan)
+        elastic = run_arm("elastic", budget, work, plan)
+    doc = report(static, elastic, names, budget)
+    if args.plot:
+        chosen = names[0]
+        plot_run(
+            args.plot,
+            {
+                "static (B/3 each, native vLLM)": static[chosen],
+                "elastic (elastickv serve)": elastic[chosen],
+            },
+            MODELS,
+            budget,
+            f"workload {chosen}: {len(plan[chosen])} requests, B = {format_bytes(budget)}",
+        )
+        doc["plot"] = str(args.plot)
+    if args.json:
+        print(json.dumps(doc, default=str))
+    else:
+        print_table(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""Watch a running ``elastickv serve`` while load runs: each model's bytes and state from the
+router's ``/health`` (every ``interval`` s), and each engine's own vLLM counters (preemptions,
+waiting requests) from its ``/metrics`` (every fourth look)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import aiohttp
+
+_METRIC = re.compile(r"^(vllm:num_preemptions_total|vllm:num_requests_waiting)\{[^}]*\} (\S+)$")
+
+
+class Monitor:
+    def __init__(self, base: str, models: Sequence[str], interval: float = 0.25) -> None:
+        self.base = base
+        self.interval = interval
+        self.memory: list[tuple[float, dict[str, int]]] = []
+        self.latest: list[dict[str, Any]] = []
+        self.states: dict[str, set[str]] = {m: set() for m in models}
+        self.preemptions: dict[str, float] = dict.fromkeys(models, 0.0)
+        self.max_waiting: dict[str, float] = dict.fromkeys(models, 0.0)
+        self._last: dict[tuple[str, int], float] = {}
+
+    async def run(self, session: aiohttp.ClientSession, start: float) -> None:
+        """Until cancelled."""
+        tick = 0
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with session.get(self.base + "/health") as response:
+                    models = (await response.json())["models"]
+                self.latest = models
+                sample = {m["name"]: m["committed_bytes"] or 0 for m in models}
+                self.memory.append((time.monotonic() - start, sample))
+                for m in models:
+                    self.states.setdefault(m["name"], set()).add(m["state"])
+                if tick % 4 == 0:
+                    await self._engines(session, models)
+            tick += 1
+            await asyncio.sleep(self.interval)
+
+    async def _engines(self, session: aiohttp.ClientSession, models: list[dict[str, Any]]) -> None:
+        for m in models:
+            if m["port"] is None:
+                continue
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.get(f"http://127.0.0.1:{m['port']}/metrics") as response:
+                    text = await response.text()
+                for line in text.splitlines():
+                    match = _METRIC.match(line)
+                    if not match:
+                        continue
+                    value = float(match.group(2))
+                    name = m["name"]
+                    if match.group(1) == "vllm:num_requests_waiting":
+                        self.max_waiting[name] = max(self.max_waiting.get(name, 0.0), value)
+                    else:  # a counter per engine process: add what it grew since the last look
+                        key = (name, m["engine_pid"])
+                        grown = max(0.0, value - self._last.get(key, 0.0))
+                        self.preemptions[name] = self.preemptions.get(name, 0.0) + grown
+                        self._last[key] = value

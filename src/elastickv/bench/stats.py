@@ -1,0 +1,61 @@
+"""Summaries of a run: per model latency percentiles, failures, memory-seconds."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from elastickv.bench.client import Result
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return float(np.mean(values)) if values else None
+
+
+def latency_summary(results: Iterable[Result]) -> dict[str, Any]:
+    """TTFT mean/p50/p99, end-to-end mean/p99, TPOT mean (seconds), requests, failures."""
+    done = list(results)
+    ok = [r for r in done if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    e2e = [r.e2e for r in ok]
+    tpot = [t for r in ok if (t := r.tpot) is not None]
+    return {
+        "requests": len(done),
+        "failed": len(done) - len(ok),
+        "ttft_mean": _mean(ttft),
+        "ttft_p50": _pct(ttft, 50),
+        "ttft_p99": _pct(ttft, 99),
+        "e2e_mean": _mean(e2e),
+        "e2e_p99": _pct(e2e, 99),
+        "tpot_mean": _mean(tpot),
+        "errors": sorted({r.error or f"status {r.status}" for r in done if not r.ok})[:5],
+    }
+
+
+def per_model(results: Sequence[Result], models: Sequence[str]) -> dict[str, dict[str, Any]]:
+    summary = {m: latency_summary(r for r in results if r.model == m) for m in models}
+    summary["all"] = latency_summary(results)
+    return summary
+
+
+def memory_seconds(samples: Sequence[tuple[float, Mapping[str, int]]]) -> dict[str, float]:
+    """∫ bytes dt per model (GiB·s) over (time, {model: bytes}) samples, trapezoids."""
+    totals: dict[str, float] = {}
+    for (t0, a), (t1, b) in itertools.pairwise(samples):
+        for name in set(a) | set(b):
+            area = (a.get(name, 0) + b.get(name, 0)) / 2 * (t1 - t0)
+            totals[name] = totals.get(name, 0.0) + area / (1 << 30)
+    return totals
+
+
+def ratio(static: float | None, elastic: float | None) -> float | None:
+    if static is None or elastic is None or elastic <= 0:
+        return None
+    return static / elastic
