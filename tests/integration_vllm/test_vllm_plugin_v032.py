@@ -139,6 +139,19 @@ def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
     assert elastic["concurrent"] == native["concurrent"]
 
 
+def test_budget_with_prefix_hits_on_parked_blocks(runs: EngineRuns) -> None:
+    """Long prompts (several full blocks) under a tight budget: preempted requests come back
+    as prefix-cache hits on their own parked blocks while the budget is full; outputs stay
+    identical (the exact pool-level case is in test_vllm_plugin_v032_block_pool.py)."""
+    args = ("long", "--max-tokens", "64")
+    native = runs("tiny-llama", *args)
+    elastic = runs("tiny-llama", *args, ELASTICKV_BUDGET=str(12 * PAGE), **ELASTIC)
+    assert elastic["preemptions"] > 0
+    assert elastic["after"]["refusals"] > 0
+    assert max(s["footprint_bytes"] for s in elastic["samples"]) <= 12 * PAGE
+    assert elastic["concurrent"] == native["concurrent"]
+
+
 # -- start-up refusals ------------------------------------------------------------------------
 
 

@@ -1,7 +1,8 @@
 """Run one clean vLLM engine (native or elastickv, chosen by the environment) and print JSON.
 
 Usage: ``python vllm_runner.py MODEL_DIR SCENARIO [--block-size N] [--max-tokens N]``.
-SCENARIO is ``functional``, ``concurrent`` or ``all`` (both, one engine). The engine is
+SCENARIO is ``functional``, ``concurrent``, ``all`` (both, one engine) or ``long`` (the
+concurrent run with prompts of several full blocks). The engine is
 stepped by hand so native and elastic runs schedule identically and the elastic run can
 sample its kernel-reported footprint between steps. In-process the probe reads the block
 pool's counters; in multiprocess mode it opens the worker's memfd (found through the
@@ -35,6 +36,15 @@ def concurrent_prompts(n: int) -> list[str]:
     words = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light"]
     return [
         f"Request {i}: " + " ".join(words[(i + k) % 8] for k in range(3 + i % 5)) for i in range(n)
+    ]
+
+
+def long_prompts(n: int) -> list[str]:
+    """``n`` distinct prompts of several full blocks each: under a tight budget a preempted
+    request comes back as a prefix-cache hit on its own parked blocks."""
+    words = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light"]
+    return [
+        f"Request {i}: " + " ".join(words[(i * 3 + k * 5) % 8] for k in range(40)) for i in range(n)
     ]
 
 
@@ -157,8 +167,8 @@ def run(
         (instance,) = result["ledger_running"]["instances"]
         result["footprint_before_limit"] = stats() if stats else None
         result["limit"] = elastickv_cli("limit", instance["name"], ledger_limit)
-    if scenario in ("concurrent", "all"):
-        prompts = concurrent_prompts(16)
+    if scenario in ("concurrent", "all", "long"):
+        prompts = long_prompts(16) if scenario == "long" else concurrent_prompts(16)
         for i, prompt in enumerate(prompts):
             engine.add_request(f"c{i}", prompt, params)
         while engine.has_unfinished_requests():
@@ -185,7 +195,7 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
-    parser.add_argument("scenario", choices=["functional", "concurrent", "all"])
+    parser.add_argument("scenario", choices=["functional", "concurrent", "all", "long"])
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-prefix-caching", action="store_true")

@@ -29,7 +29,7 @@ from elastickv.cli.top_view import usage_bar
 from elastickv.units import format_bytes
 
 MODELS = ("tiny-llama", "tiny-llama-bf16")
-BUDGET = 32 << 20
+BUDGET = 12 << 20
 RELEASE_AFTER_S = 4
 LINGER_S = 8.0  # keep watching after the load, so the release shows
 
@@ -44,7 +44,7 @@ def register(commands: Any) -> None:
     p.add_argument(
         "--plot", type=Path, default=Path("elastickv-demo.png"), help="picture of the run (PNG)"
     )
-    p.add_argument("--peak", type=int, default=4, help="peak requests/s of each burst")
+    p.add_argument("--peak", type=int, default=6, help="peak requests/s of each burst")
     p.add_argument("--python", help="the Python with vLLM for the engines (default: found)")
     p.set_defaults(run=run_demo)
 
@@ -60,7 +60,7 @@ def _config(work: Path, port: int, python: str | None) -> Path:
     for model in MODELS:
         lines += [
             "[[model]]", f'model = "{model}"', 'args = ["--enforce-eager", "--block-size", "32"]',
-            'min_kv = "2M"', f'release_after = "{RELEASE_AFTER_S}s"', 'stop_after = "never"',
+            'min_kv = "1M"', f'release_after = "{RELEASE_AFTER_S}s"', 'stop_after = "never"',
         ]  # fmt: skip
     path = work / "demo.toml"
     path.write_text("\n".join(lines) + "\n")
@@ -128,7 +128,7 @@ async def _drive(base: str, peak: int, console: Console) -> dict[str, Any]:
     from elastickv.bench.monitor import Monitor
     from elastickv.bench.workloads import Shape, staggered_ramp
 
-    arrivals = staggered_ramp(MODELS, peak, shape=Shape(128, 32, 48), seed=0)
+    arrivals = staggered_ramp(MODELS, peak, shape=Shape(256, 32, 64), seed=0)
     monitor = Monitor(base, MODELS)
     start = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
@@ -147,7 +147,7 @@ async def _drive(base: str, peak: int, console: Console) -> dict[str, Any]:
                     live.update(_view(monitor, elapsed, len(arrivals), load.done()))
                 elif elapsed - last_line >= 2.0:
                     last_line = elapsed
-                    console.print(_line(monitor, elapsed), highlight=False)
+                    console.print(_line(monitor, elapsed), highlight=False, soft_wrap=True)
                 await asyncio.sleep(0.25)
         watch.cancel()
         results = await load
@@ -222,12 +222,14 @@ def _report(outcome: dict[str, Any], plot: Path, console: Console) -> None:
         f"served, {everything['failed']} failed; TTFT p50 {(everything['ttft_p50'] or 0) * ms:.0f}"
         f" ms, p99 {(everything['ttft_p99'] or 0) * ms:.0f} ms",
         highlight=False,
+        soft_wrap=True,
     )
     console.print(
         "2. each model's burst took what it needed of the shared budget: peak "
         + ", ".join(f"{m} {format_bytes(b)}" for m, b in peaks.items())
         + f" (a static split gives each {format_bytes(BUDGET // len(MODELS))})",
         highlight=False,
+        soft_wrap=True,
     )
     released = [m for m, states in outcome["states"].items() if "kv-released" in states]
     console.print(
@@ -235,4 +237,5 @@ def _report(outcome: dict[str, Any], plot: Path, console: Console) -> None:
         f"{sum(used.values()):.3f} GiB·s of KV held, vs {len(MODELS) * static:.3f} for a static "
         "split over the same time",
         highlight=False,
+        soft_wrap=True,
     )

@@ -64,6 +64,7 @@ class ServeApp:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._state_dirty = True
+        self._booted = False
 
     # -- before anything starts -----------------------------------------------------------------
 
@@ -141,6 +142,9 @@ class ServeApp:
             for model in self.models.values():
                 if not await self._boot(model, stop):
                     return
+            self._booted = True  # idle clocks start now: no model sleeps while others boot
+            for model in self.models.values():
+                model.last_active = time.monotonic()
             logger.info(
                 "serving %s at %s/v1 (KV budget %s)",
                 ", ".join(self.models), self.url, format_bytes(self.config.budget),
@@ -221,7 +225,8 @@ class ServeApp:
         try:
             while True:
                 now = time.monotonic()
-                for model in list(self.models.values()) if arbiter is not None else []:
+                idle_policy = arbiter is not None and self._booted
+                for model in list(self.models.values()) if idle_policy else []:
                     await model.apply_idle_policy(now)
                 if self._state_dirty:
                     self._state_dirty = False

@@ -13,8 +13,9 @@ only then raises others into the room that is really free. ``min_kv`` is reserve
 model at all times, running or not, so waking a model never waits for memory.
 
 Planning (:func:`plan_limits`) is a pure function: floors first, then active models grow by
-priority (highest first), equal priorities sharing equally up to what each wants; idle models
-are held to what they use, and released models to their floor.
+priority (highest first), equal priorities sharing equally up to what each wants (what it
+uses plus a step; its whole cap when the ledger just refused it or it reached its limit);
+idle models are held to what they use, and released models to their floor.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ class Demand:
             return self.min_kv
         if self.activity is Activity.IDLE:
             return min(self.cap, max(self.min_kv, self.used))
-        grow = max(step, self.used) if self.pressured else step
-        return min(self.cap, max(self.min_kv, self.used + grow, self.limit or 0))
+        if self.pressured:  # refused or at its limit: a burst, give it all it may take
+            return self.cap
+        return min(self.cap, max(self.min_kv, self.used + step, self.limit or 0))
 
 
 def plan_limits(demands: Sequence[Demand], budget: int, step: int) -> dict[str, int]:

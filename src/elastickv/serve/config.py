@@ -33,7 +33,7 @@ import math
 import os
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,27 +201,31 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: An
             'budget = "8G"'
         )
     values["budget"] = _size(device["budget"], "[device] budget")
-    if "page_size" in device:
-        values["page_size"] = _size(device["page_size"], "[device] page_size")
-    if "mode" in device:
-        values["mode"] = _str(device["mode"], "[device] mode")
-    if "hot_max_pages" in device:
-        values["hot_max_pages"] = _int(device["hot_max_pages"], "[device] hot_max_pages")
-    if "host" in router:
-        values["host"] = _str(router["host"], "[router] host")
-    if "port" in router:
-        values["port"] = _int(router["port"], "[router] port")
-    if "queue_limit" in router:
-        values["queue_limit"] = _int(router["queue_limit"], "[router] queue_limit")
-    if "wake_timeout" in router:
-        wake = _duration(router["wake_timeout"], "[router] wake_timeout", allow_never=False)
-        values["wake_timeout_s"] = wake
-    if "python" in data:
-        values["python"] = _str(data["python"], "python")
-    if "log_dir" in data:
-        values["log_dir"] = _str(data["log_dir"], "log_dir")
+    tables = {"device": device, "router": router, "": data}
+    for section, key, field, read in _SERVE_FIELDS:
+        table = tables[section]
+        if key in table:
+            values[field] = read(table[key], f"[{section}] {key}" if section else key)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ServeConfig(**values)
+
+
+def _wake_timeout(value: Any, label: str) -> float | None:
+    return _duration(value, label, allow_never=False)
+
+
+# (table, key, ServeConfig field, reader) of the optional serve-wide settings.
+_SERVE_FIELDS: tuple[tuple[str, str, str, Callable[[Any, str], Any]], ...] = (
+    ("device", "page_size", "page_size", lambda v, label: _size(v, label)),
+    ("device", "mode", "mode", lambda v, label: _str(v, label)),
+    ("device", "hot_max_pages", "hot_max_pages", lambda v, label: _int(v, label)),
+    ("router", "host", "host", lambda v, label: _str(v, label)),
+    ("router", "port", "port", lambda v, label: _int(v, label)),
+    ("router", "queue_limit", "queue_limit", lambda v, label: _int(v, label)),
+    ("router", "wake_timeout", "wake_timeout_s", lambda v, label: _wake_timeout(v, label)),
+    ("", "python", "python", lambda v, label: _str(v, label)),
+    ("", "log_dir", "log_dir", lambda v, label: _str(v, label)),
+)
 
 
 def config_from_flags(

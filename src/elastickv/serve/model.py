@@ -79,7 +79,9 @@ class ServedModel:
         self.hooks = hooks
         self.queue_limit = queue_limit
         self.wake_timeout_s = wake_timeout_s
-        self.state = ModelState.STOPPED
+        # Until its first start every model is "starting": requests wait for the boot (which
+        # starts the engines one at a time) instead of waking it out of turn.
+        self.state = ModelState.STARTING
         self.engine: EngineProcess | None = None
         self.in_flight = 0
         self.waiting = 0
@@ -125,6 +127,8 @@ class ServedModel:
     async def boot(self) -> float:
         """The first start; raises EngineStartError (the caller stops everything)."""
         async with self._lifecycle:
+            if self.engine is not None:
+                return 0.0
             return await self._start()
 
     async def _start(self) -> float:

@@ -20,6 +20,8 @@ vLLM keeps its free queue (counts, LRU order, ``touch``); we only choose *which*
 
 from __future__ import annotations
 
+import itertools
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -32,6 +34,7 @@ from elastickv.integrations.vllm.registration import registration_of
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
 from elastickv.vmm.errors import CommitError
 
+logger = logging.getLogger(__name__)
 # How often a scheduler step reads the ledger for a lowered limit. A ledger read takes its
 # lock and checks the liveness of every instance, far too much for every step of a small
 # model; an operator's limit still lands within this interval.
@@ -76,6 +79,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._parked: dict[int, None] = {}  # LRU first
         self._stash: list[int] = []
         self._need: int | None = None
+        self._hits: frozenset[int] = frozenset()  # prefix hits the open window will touch
         self._in_window = False
         self._next_limit_check = 0.0
 
@@ -89,13 +93,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         """The call ended: blocks backed for it and not used go back."""
         self._in_window = False
         self._need = None
+        self._hits = frozenset()
         if self._stash:
             self._trim_stash(0)
 
-    def expect(self, num_blocks: int) -> None:
-        """The next ``get_num_free_blocks`` decides whether ``num_blocks`` fit now."""
+    def expect(self, num_blocks: int, hits: Iterable[Iterable[Any]] = ()) -> None:
+        """The next ``get_num_free_blocks`` decides whether ``num_blocks`` fit now.
+
+        ``hits`` (per KV-cache group) are the prefix-cache blocks this allocation will
+        ``touch``: parked ones among them must not be evicted to make room, or vLLM would
+        take them back while the allocator hands them out again."""
         if self._in_window:
             self._need = num_blocks
+            self._hits = frozenset(
+                block.block_id for group in hits for block in group if block.ref_cnt == 0
+            )
 
     def get_num_free_blocks(self) -> int:
         free = int(super().get_num_free_blocks())
@@ -124,8 +136,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self.allocator.free(extra)
 
     def _evict_parked(self, count: int) -> bool:
-        """Drop up to ``count`` least recently used parked blocks; False if none."""
-        victims = list(self._parked)[:count]
+        """Drop up to ``count`` least recently used parked blocks (never the prefix hits of
+        the allocation being backed); False if none."""
+        victims = list(itertools.islice((b for b in self._parked if b not in self._hits), count))
         if not victims:
             return False
         blocks = [self.blocks[b] for b in victims]
@@ -191,6 +204,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             )
         chosen, self._stash = self._stash[:num_blocks], self._stash[num_blocks:]
         blocks = [self.blocks[b] for b in chosen]
+        taken = [b.block_id for b in blocks if b.ref_cnt != 0]
+        if taken:  # an accounting bug, never a silent double use of a block
+            raise AssertionError(f"elastickv backed blocks {taken} that vLLM already uses")
         for block in blocks:
             self.free_block_queue.remove(block)
         self.free_block_queue.prepend_n(blocks)
@@ -225,7 +241,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def touch(self, blocks: Any) -> None:
         super().touch(blocks)
         for block in blocks:
-            self._parked.pop(block.block_id, None)
+            if self._parked.pop(block.block_id, None) is None and not self.allocator.is_live(
+                block.block_id
+            ):
+                logger.error(
+                    "elastickv: vLLM reused block %d that elastickv had released (hash %s)",
+                    block.block_id, block.block_hash,
+                )  # fmt: skip
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         super().evict_blocks(block_ids)

@@ -34,7 +34,9 @@ def install() -> None:
             num = original(self, *args, **kwargs)
             pool = self.block_pool
             if isinstance(pool, ElasticBlockPool):
-                pool.expect(num)
+                # (request_id, num_tokens, new_computed_blocks, ...) in 0.28 and 0.32
+                hits = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else ())
+                pool.expect(num, hits)
             return num
 
         return get_num_blocks_to_allocate

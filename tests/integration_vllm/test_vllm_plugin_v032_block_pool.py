@@ -1,0 +1,77 @@
+"""The elastic block pool against vLLM 0.32's own ``BlockPool`` machinery, driven the way
+``KVCacheManager.allocate_slots`` drives it, without an engine: a prefix-cache hit on parked
+blocks while the budget is full must never lose those blocks to eviction.
+
+Before the fix, backing the new blocks evicted the hit blocks (they were the least recently
+used parked ones), vLLM then took them back with ``touch`` while elastickv handed them out
+again, and the engine died with "remove() called on an invalid block" (seen under
+``elastickv serve`` with three models on a tight budget)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from elastickv.geometry import KVCacheGeometry
+from elastickv.integrations.vllm.config import ElasticConfig
+from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, local_policy
+from elastickv.vmm import host_granularity
+
+PAGE = host_granularity()
+
+
+@pytest.fixture
+def pool() -> Iterator[object]:
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    # One block per page: 1 layer, 1 KV head, 16 tokens of 2×32 fp32 = 4 KiB.
+    geometry = KVCacheGeometry(
+        num_layers=1, num_blocks=32, num_kv_heads=1, block_size=16, head_size=PAGE // 128,
+        dtype="float32", layout="HND",
+    )  # fmt: skip
+    assert geometry.backing_bytes == 32 * PAGE
+    config = ElasticConfig(page_size=PAGE, budget_bytes=5 * PAGE, hot_max_pages=0)
+    store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
+    REGISTRY.publish(store)
+    made = ElasticBlockPool(32, True, 16)
+    yield made
+    made.close_elastic()
+
+
+def allocate(pool: object, num: int, hits: list[object]) -> list[object] | None:
+    """What ``allocate_slots`` does: the fit check (after the coordinator told the pool the
+    number and the prefix hits), then touch the hits and take the new blocks."""
+    pool.open_window()  # type: ignore[attr-defined]
+    try:
+        pool.expect(num, (hits,))  # type: ignore[attr-defined]
+        if pool.get_num_free_blocks() < num:  # type: ignore[attr-defined]
+            return None
+        pool.touch(hits)  # type: ignore[attr-defined]
+        got: list[object] = pool.get_new_blocks(num)  # type: ignore[attr-defined]
+        return got
+    finally:
+        pool.close_window()  # type: ignore[attr-defined]
+
+
+def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: object) -> None:
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    first = allocate(pool, 3, [])
+    assert first is not None
+    for i, block in enumerate(first):  # the request's full blocks enter the prefix cache
+        key = make_block_hash_with_group_id(BlockHash(bytes([i + 1]) * 32), 0)
+        pool._insert_block_hash(key, block, num_tokens=16)  # type: ignore[attr-defined]
+    pool.free_blocks(reversed(first))  # type: ignore[attr-defined]
+    assert pool.elastic_stats()["parked_blocks"] == 3  # type: ignore[attr-defined]
+    # null block + 3 parked = 4 of 5 pages: the next request hits all 3 and needs 2 more.
+    assert allocate(pool, 2, first) is None  # "cannot schedule now", not a crash
+    stats = pool.elastic_stats()  # type: ignore[attr-defined]
+    assert stats["parked_blocks"] == 3 and stats["live_blocks"] == 3  # (null block apart)
+    assert all(b.block_hash is not None for b in first)  # type: ignore[attr-defined]
+    # With one new block it fits; the hits are reused, the new block is another one.
+    second = allocate(pool, 1, first)
+    assert second is not None
+    assert {b.block_id for b in second}.isdisjoint(b.block_id for b in first)  # type: ignore[attr-defined]
+    assert all(b.ref_cnt == 1 for b in [*first, *second])  # type: ignore[attr-defined]
+    assert pool.elastic_stats()["parked_blocks"] == 0  # type: ignore[attr-defined]
