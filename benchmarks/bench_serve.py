@@ -52,7 +52,9 @@ from elastickv.units import format_bytes, parse_size
 MODELS = ("tiny-llama", "tiny-llama-bf16", "tiny-llama-deep")
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "384", "--block-size", "32"]
 PAGE = "64K"
-MIN_KV = 512 << 10
+# Guaranteed KV per model: at least one max-length request each (384 tokens × 1, 2.25 and
+# 4 KiB per token), so every model can always make progress.
+MIN_KV = {"tiny-llama": 512 << 10, "tiny-llama-bf16": 1 << 20, "tiny-llama-deep": 1536 << 10}
 RELEASE_AFTER_S = 5
 STOP_AFTER_S = 45
 IDLE_GAP_S = 60
@@ -76,7 +78,7 @@ def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
             "[[model]]",
             f'model = "{model}"',
             f"args = {json.dumps(ENGINE_ARGS)}",
-            f"min_kv = {MIN_KV}",
+            f"min_kv = {MIN_KV[model]}",
             f'release_after = "{RELEASE_AFTER_S}s"',
             f'stop_after = "{STOP_AFTER_S}s"',
         ]

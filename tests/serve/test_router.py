@@ -19,7 +19,7 @@ from elastickv.serve.config import ModelConfig
 from elastickv.serve.engine import EngineLaunch
 from elastickv.serve.metrics import ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
-from elastickv.serve.router import Router
+from elastickv.serve.router import Router, upstream_session
 
 
 class FakeEngine:
@@ -57,6 +57,12 @@ def upstream_app(events: dict[str, Any]) -> web.Application:
                 )
             await response.write(b"data: [DONE]\n\n")
             return response
+        if body.get("prompt") == "gather":  # answers once every gathered request arrived
+            events["gathered"] = events.get("gathered", 0) + 1
+            if events["gathered"] >= events["gather_target"]:
+                events["all_arrived"].set()
+            await asyncio.wait_for(events["all_arrived"].wait(), 20)
+            return web.json_response({"choices": [{"text": "ok"}]})
         if body.get("prompt") == "slow":
             try:
                 await asyncio.sleep(30)
@@ -97,7 +103,7 @@ def served(name: str, port: int | None, state: ModelState, queue_limit: int = 8)
 def run(test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[None]]) -> None:
     async def main() -> None:
         events: dict[str, Any] = {}
-        async with site(upstream_app(events)) as upstream, aiohttp.ClientSession() as session:
+        async with site(upstream_app(events)) as upstream, upstream_session() as session:
             models = {
                 "alpha": served("alpha", upstream, ModelState.IDLE),
                 "dead": served("dead", 1, ModelState.IDLE),  # nothing listens on port 1
@@ -196,5 +202,26 @@ def test_a_waiting_request_times_out_with_503() -> None:
             body = await r.json()
         assert r.status == 503 and "did not become ready" in body["error"]["message"]
         assert models["asleep"].waiting == 0
+
+    run(check)
+
+
+def test_many_concurrent_requests_all_reach_the_engine() -> None:
+    """More requests in flight than an HTTP client's default pool (100): every one reaches the
+    engine at once; none waits inside the router."""
+
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        events["gather_target"] = 150
+        events["all_arrived"] = asyncio.Event()
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as client:
+
+            async def one() -> int:
+                body = {"model": "alpha", "prompt": "gather"}
+                async with client.post(base + "/v1/completions", json=body) as r:
+                    return r.status
+
+            statuses = await asyncio.gather(*(one() for _ in range(150)))
+        assert statuses == [200] * 150
 
     run(check)

@@ -28,7 +28,7 @@ from elastickv.serve.engine import EngineStartError, build_launch, free_port, lo
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
 from elastickv.serve.python_env import EnginePythonError, find_engine_python
-from elastickv.serve.router import Router
+from elastickv.serve.router import Router, upstream_session
 from elastickv.serve.state_file import remove_state, write_state
 from elastickv.units import format_bytes
 
@@ -132,10 +132,7 @@ class ServeApp:
         self.check()
         self.ledger = self._open_ledger()
         try:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                auto_decompress=False,
-            )
+            self._session = upstream_session()
             self._build_models()
             await self._bind_router()
             self._tasks.append(asyncio.create_task(self._background()))

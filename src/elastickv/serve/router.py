@@ -30,6 +30,18 @@ _HOP_HEADERS = frozenset(
 )
 
 
+def upstream_session() -> aiohttp.ClientSession:
+    """The router's client to its engines. No connection cap: every request the router
+    accepts gets its upstream connection at once (aiohttp's default pool of 100 queued the
+    101st request inside the router, where no engine and no metric could see it); no total
+    timeout (a long generation is not an error); bytes passed through as they come."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+        auto_decompress=False,
+    )
+
+
 def error_response(
     status: int, message: str, kind: str, *, param: str | None = None,
     headers: Mapping[str, str] | None = None,
