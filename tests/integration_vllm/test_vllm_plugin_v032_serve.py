@@ -222,9 +222,16 @@ def serve_run(
             for name in MODELS
         }
         # 2. Both models under load at once, on a budget that fits one burst, not both.
+        fds = pool_fds(session_processes(describe(base)["alpha"]["engine_pid"]))
+        pool = next(iter(fds.values()))[0]
         with LedgerSampler(ledger_dir) as sampler:
             load = [(n, rq) for n in MODELS for rq in workload(n)["load"]]
             replies = post_all(base, [rq for _, rq in load])
+            r["alpha_busy_footprint"] = os.stat(pool).st_blocks * 512
+            # Sampling goes on while the models go idle and release: limits come down again.
+            r["released_after_s"] = wait_until(
+                lambda: {m["state"] for m in describe(base).values()} == {"kv-released"}, 30
+            )
             time.sleep(0.5)
         r["load"] = {
             name: outputs([rep for (n, _), rep in zip(load, replies, strict=True) if n == name])
@@ -239,11 +246,7 @@ def serve_run(
         r["samples"] = len(sampler.samples)
         r["metrics"] = urlread(base + "/metrics")
         r["cli_list"] = cli(["list", "--json"], ledger_dir)
-        # 3. Idle → KV released → a request is served.
-        fds = pool_fds([p for p in session_processes(describe(base)["alpha"]["engine_pid"])])
-        pool = next(iter(fds.values()))[0]
-        r["alpha_busy_footprint"] = os.stat(pool).st_blocks * 512
-        r["released_after_s"] = wait_until(lambda: state_of(base, "alpha") == "kv-released", 30)
+        # 3. Idle → KV released (above) → a request is served.
         time.sleep(1.0)  # the engine applies the floor at its next idle tick
         r["alpha_released"] = describe(base)["alpha"]
         r["alpha_released_footprint"] = os.stat(pool).st_blocks * 512
