@@ -41,7 +41,7 @@ from typing import Any
 import aiohttp
 
 from elastickv.bench.client import Result, run_schedule
-from elastickv.bench.monitor import Monitor
+from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
@@ -108,7 +108,7 @@ def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 900
-        while not _ready(base):
+        while not serve_ready(base):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"{mode} arm did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1)
@@ -121,17 +121,6 @@ def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-
-
-def _ready(base: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
-            data = json.loads(response.read())["data"]
-    except (OSError, ValueError):
-        return False
-    return all(m["state"] in ("idle", "serving", "kv-released", "stopped") for m in data)
 
 
 async def drive(base: str, arrivals: list[Any]) -> tuple[list[Result], Monitor, float]:

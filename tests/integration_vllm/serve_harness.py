@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from elastickv.control import open_ledger
+from elastickv.serve.engine import session_processes as engine_session_processes
 
 
 @dataclass
@@ -106,13 +105,8 @@ def post_all(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Repl
 
 
 def session_processes(sid: int) -> list[int]:
-    """Live (non-zombie) processes of session ``sid``."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-    return found
+    """Pids of the live (non-zombie) processes of session ``sid``."""
+    return [p.pid for p in engine_session_processes(sid)]
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float | None:

@@ -13,6 +13,23 @@ from typing import Any
 
 import aiohttp
 
+READY_STATES = frozenset({"idle", "serving", "kv-released", "stopped"})
+
+
+def serve_ready(base: str) -> bool:
+    """Whether the ``elastickv serve`` at ``base`` has started every model once (a model
+    stopped since is ready too: its next request wakes it)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
+            models = json.loads(response.read())["data"]
+    except (OSError, ValueError):
+        return False
+    return all(m["state"] in READY_STATES for m in models)
+
+
 _METRIC = re.compile(r"^(vllm:num_preemptions_total|vllm:num_requests_waiting)\{[^}]*\} (\S+)$")
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -106,17 +105,14 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
-    import urllib.request
+    from elastickv.bench.monitor import serve_ready
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise UserError(f"elastickv serve exited during start-up:\n{log.read_text()[-3000:]}")
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(base + "/v1/models", timeout=5) as response:
-                states = [m["state"] for m in json.loads(response.read())["data"]]
-            if all(s in ("idle", "serving", "kv-released") for s in states):
-                return
+        if serve_ready(base):
+            return
         time.sleep(0.5)
     raise UserError(f"elastickv serve did not become ready in 600 s:\n{log.read_text()[-3000:]}")
 
@@ -181,7 +177,7 @@ def _line(monitor: Any, elapsed: float) -> str:
 
 def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
     """SIGTERM serve, wait for it; the processes of its session still alive (none, normally)."""
-    import psutil
+    from elastickv.serve.engine import session_processes
 
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -190,12 +186,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    left = []
-    for other in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(other.pid) == proc.pid and other.status() != psutil.STATUS_ZOMBIE:
-                left.append(other.pid)
-    return left
+    return [p.pid for p in session_processes(proc.pid)]
 
 
 def _report(outcome: dict[str, Any], plot: Path, console: Console) -> None:

@@ -114,6 +114,17 @@ def log_path(log_dir: Path, name: str) -> Path:
     return log_dir / f"{safe}.log"
 
 
+def session_processes(sid: int) -> list[psutil.Process]:
+    """The live (not zombie) processes of session ``sid``: what a process started with
+    ``start_new_session`` left running, however deep its children were re-parented."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if os.getsid(proc.pid) == sid and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
 def _child_setup(parent_pid: int) -> None:
     """In the forked child, before exec: die with ``elastickv serve`` (SIGTERM)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
@@ -185,12 +196,7 @@ class EngineProcess:
 
     def processes(self) -> list[psutil.Process]:
         """Every live process of the engine: its session (API server, engine core, workers)."""
-        found = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if os.getsid(proc.pid) == self.pid and proc.status() != psutil.STATUS_ZOMBIE:
-                    found.append(proc)
-        return found
+        return session_processes(self.pid)
 
     async def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM (vLLM's clean shutdown), then SIGKILL to whatever of its session is left."""
