@@ -254,3 +254,22 @@ def test_precommit_thread_stops_cleanly_when_idle(vrange: HostRange) -> None:
     alloc.close()
     assert not thread.running
     alloc.close()  # idempotent
+
+
+def test_floor_and_commit_observer(vrange: HostRange) -> None:
+    """The floor is the null slab's pages (known from the page map alone); every page commit
+    (not a refusal, not a block served from committed pages) reaches the observer."""
+    from elastickv.alloc import null_floor_bytes
+
+    with BlockAllocator(GEOMETRY, vrange, FixedBudget(4 * PAGE)) as alloc:
+        assert alloc.floor_bytes() == null_floor_bytes(alloc.page_map) == 2 * PAGE
+        seen: list[float] = []
+        alloc.commit_observer = seen.append
+        assert alloc.allocate(7) is not None  # the rest of the null slab: nothing to commit
+        assert seen == []
+        assert alloc.allocate(1) is not None  # commits the next slab's pages
+        assert len(seen) == 1 and seen[0] > 0
+        assert alloc.allocate(1) is not None  # on pages already committed
+        assert len(seen) == 1
+        assert alloc.allocate(GEOMETRY.num_blocks - 10) is None  # refused by the budget
+        assert len(seen) == 1

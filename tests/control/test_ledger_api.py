@@ -252,3 +252,22 @@ def test_closed_ledger_and_fork_misuse_are_refused(ledger: Ledger) -> None:
     assert handle.closed
     with pytest.raises(LedgerError, match="closed"):
         ledger.register("y")
+
+
+def test_limit_below_the_floor_is_refused_with_the_minimum(ledger: Ledger) -> None:
+    """An instance that holds a floor for its whole life (a KV cache's null block) can never
+    get under a lower limit: ``set_limit`` refuses it, naming the floor, and changes nothing;
+    at or above the floor it applies."""
+    from elastickv.control import LimitBelowFloor
+
+    handle = ledger.register("engine")
+    handle.set_floor_bytes(2 * MiB)
+    assert handle.try_admit(2 * MiB)
+    info = handle.info()
+    assert info.floor_bytes == 2 * MiB
+    with pytest.raises(LimitBelowFloor, match=r"below the floor of instance 'engine'.*2\.0 MiB"):
+        ledger.set_limit("engine", "1M")
+    after = handle.info()
+    assert (after.limit_desired, after.limit_revision) == (info.limit_desired, info.limit_revision)
+    assert ledger.set_limit("engine", "2M") == info.limit_revision + 1
+    assert handle.info().limit_desired == 2 * MiB and not handle.info().draining

@@ -95,7 +95,9 @@ def test_metrics_follow_allocations(ledger: Ledger, handle: InstanceHandle) -> N
         assert 0 < commits <= 8  # only calls that committed pages are timed
         assert value(after, "elastickv_commit_seconds_sum", **labels) > 0
         assert value(after, "elastickv_commit_seconds_bucket", le="+Inf", **labels) == commits
-        assert value(after, "elastickv_live_blocks", **labels) == 8 * 16
+        assert value(after, "elastickv_backed_blocks", **labels) == 8 * 16
+        assert value(after, "elastickv_in_use_blocks", **labels) == 8 * 16  # nothing cached
+        assert value(after, "elastickv_cached_blocks", **labels) == 0
 
         ledger.set_limit("llama-a", committed)  # no more growth
         while metrics.allocate(alloc, 64) is not None:

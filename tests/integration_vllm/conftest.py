@@ -82,7 +82,11 @@ def servers(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         ),
     }
     for name, run in result.items():
-        summary = {k: v for k, v in run.items() if k not in ("outputs", "metrics", "functional")}
+        summary = {
+            k: v
+            for k, v in run.items()
+            if k not in ("outputs", "metrics", "metrics_after", "functional", "log")
+        }
         print(f"\n[vllm-server {name}] {summary}")
     return result
 

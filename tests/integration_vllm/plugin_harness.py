@@ -251,6 +251,7 @@ def ledger_list(ledger_dir: Path | str) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     out: dict[str, Any] = json.loads(proc.stdout)
+    out.setdefault("instances", [])  # no ledger yet (nothing elastic ran): no instances
     return out
 
 
@@ -285,8 +286,12 @@ def serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]:
         result["functional"] = [o["token_ids"] for o in functional]
         result["outputs"] = server.complete_all(concurrent_prompts(16), SERVER_MAX_TOKENS)
         result["after_footprint"] = None if path is None else footprint_bytes(path)
+        if "ELASTICKV_METRICS_PORT" in extra:
+            with urllib.request.urlopen(url, timeout=10) as response:
+                result["metrics_after"] = response.read().decode()
         result["final_health"] = server.get_status("/health")
         result["shutdown"] = terminate(server)
+    result["log"] = log.read_text(errors="replace")
     result["ledger_after"] = ledger_list(ledger_dir)["instances"]
     result["model"] = model
     return result
@@ -346,6 +351,17 @@ def failing_start(
         "left": left,
         "ledger": ledger,
     }
+
+
+# What vLLM logs once it starts building the model: an early refusal must come before.
+MODEL_LOADING_LINES = ("Starting to load model", "Loading weights", "Model loading took")
+
+
+def assert_refused_before_weights(got: dict[str, Any]) -> None:
+    """The failed start never reached model loading (judged from vLLM's own log lines)."""
+    log = got["stdout"] + got["stderr"]
+    reached = [line for line in MODEL_LOADING_LINES if line in log]
+    assert not reached, f"refused only after model loading began ({reached}):\n{log[-3000:]}"
 
 
 def assert_footprint_follows_blocks(elastic: dict[str, Any]) -> tuple[int, int]:

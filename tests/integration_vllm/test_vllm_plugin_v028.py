@@ -175,10 +175,11 @@ def test_multiprocess_identical_to_native(runs: EngineRuns) -> None:
 
 def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path: Path) -> None:
     """``kv_cache_dtype="fp8"`` (accepted by vLLM's CPU backend) is refused by the plugin by
-    name; nothing of the engine and no ledger record is left. (The backend refusal is
+    the option's name, as soon as the engine config exists (before any weight loads);
+    nothing of the engine and no ledger record is left. (The backend refusal is
     ``test_plan_matches_vllm_views_and_rejects_what_it_cannot_place``: vLLM 0.28 on CPU
     only ever selects ``CPU_ATTN``, so the plugin's check is driven with FLASH_ATTN there.)"""
-    from plugin_harness import failing_start
+    from plugin_harness import assert_refused_before_weights, failing_start
 
     from elastickv.models import ensure_tiny_model
 
@@ -186,6 +187,6 @@ def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path:
     got = failing_start(cache_root, model, {"kv_cache_dtype": "fp8"}, ELASTIC, tmp_path / "l")
     assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
     assert "ElasticKVStartupError" in got["stderr"]
-    assert "KV quantization mode FP8_PER_TENSOR" in got["stderr"]
-    assert "with vLLM 0.28" in got["stderr"]
+    assert "--kv-cache-dtype fp8 (a quantized KV cache); use --kv-cache-dtype auto" in got["stderr"]
+    assert_refused_before_weights(got)
     assert not got["left"] and got["ledger"] == []

@@ -12,6 +12,8 @@ from server_tests import (
     test_server_completions_identical_to_native,
     test_server_footprint_returns_after_load,
     test_server_health_and_elastic_pool,
+    test_server_log_says_elastickv_is_on,
+    test_server_metrics_count_commits_and_split_blocks,
     test_server_registers_in_ledger_by_model_and_port,
     test_server_sigterm_leaves_no_process,
 )
@@ -20,6 +22,8 @@ __all__ = [
     "test_server_completions_identical_to_native",
     "test_server_footprint_returns_after_load",
     "test_server_health_and_elastic_pool",
+    "test_server_log_says_elastickv_is_on",
+    "test_server_metrics_count_commits_and_split_blocks",
     "test_server_registers_in_ledger_by_model_and_port",
     "test_server_sigterm_leaves_no_process",
 ]

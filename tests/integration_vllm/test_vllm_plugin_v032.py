@@ -190,8 +190,9 @@ def test_layout_or_spec_the_plugin_cannot_place_fails_naming_it() -> None:
 
 def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path: Path) -> None:
     """``kv_cache_dtype="fp8"`` (accepted by vLLM's CPU backend) is refused by the plugin by
-    name; nothing of the engine and no ledger record is left."""
-    from plugin_harness import failing_start
+    the option's name, as soon as the engine config exists (before any weight loads);
+    nothing of the engine and no ledger record is left."""
+    from plugin_harness import assert_refused_before_weights, failing_start
 
     from elastickv.models import ensure_tiny_model
 
@@ -199,5 +200,73 @@ def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path:
     got = failing_start(cache_root, model, {"kv_cache_dtype": "fp8"}, ELASTIC, tmp_path / "l")
     assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
     assert "ElasticKVStartupError" in got["stderr"]
-    assert "KV quantization mode FP8_PER_TENSOR with vLLM 0.32" in got["stderr"]
+    assert "--kv-cache-dtype fp8 (a quantized KV cache); use --kv-cache-dtype auto" in got["stderr"]
+    assert_refused_before_weights(got)
     assert not got["left"] and got["ledger"] == []
+
+
+@pytest.mark.parametrize(
+    ("llm_kwargs", "message"),
+    [
+        ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2: elastickv serves one KV-cache"),
+        ({"attention_backend": "FLASH_ATTN"}, "--attention-backend FLASH_ATTN: elastickv supports"),
+    ],
+    ids=["tensor-parallel", "attention-backend"],
+)
+def test_unsupported_options_refused_before_weights_load(
+    cache_root: Path, tmp_path: Path, llm_kwargs: dict[str, Any], message: str
+) -> None:
+    from plugin_harness import assert_refused_before_weights, failing_start
+
+    from elastickv.models import ensure_tiny_model
+
+    model = str(ensure_tiny_model("tiny-llama"))
+    got = failing_start(cache_root, model, llm_kwargs, ELASTIC, tmp_path / "l")
+    assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
+    assert message in got["stderr"], got["stderr"][-3000:]
+    assert "unset ELASTICKV to run vLLM without elastickv" in got["stderr"]
+    assert_refused_before_weights(got)
+    assert not got["left"] and got["ledger"] == []
+
+
+def test_budget_below_the_floor_states_the_minimum(cache_root: Path, tmp_path: Path) -> None:
+    """``ELASTICKV_BUDGET`` below what the null block's pages need: the error echoes the
+    setting as typed and states the minimum in bytes the user can set (and no ledger record
+    is left to look for)."""
+    import re
+
+    from plugin_harness import failing_start
+
+    from elastickv.models import ensure_tiny_model
+    from elastickv.units import parse_size
+
+    model = str(ensure_tiny_model("tiny-llama"))
+    extra = {**ELASTIC, "ELASTICKV_PAGE_SIZE": "4K", "ELASTICKV_BUDGET": "4K"}
+    got = failing_start(cache_root, model, {}, extra, tmp_path / "l")
+    assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
+    found = re.search(
+        r"ELASTICKV_BUDGET=4K \(4\.0 KiB\) is below the minimum: this engine needs at least "
+        r"(\d+\.\d) KiB to start: its null block's (\d+) pages of 4\.0 KiB",
+        got["stderr"],
+    )
+    assert found is not None, got["stderr"][-3000:]
+    minimum = parse_size(f"{found.group(1)}K")
+    assert minimum == int(found.group(2)) * 4096 > 4096
+    assert "elastickv list" not in got["stderr"]
+    assert not got["left"] and got["ledger"] == []
+
+
+def test_settings_without_elastickv_on_warn(cache_root: Path) -> None:
+    """``ELASTICKV_BUGDET=2G`` without ``ELASTICKV=1``: vLLM runs natively, and says that the
+    elastickv settings do nothing."""
+    code = "from vllm.plugins import load_general_plugins\nload_general_plugins()\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")} | {
+        "ELASTICKV_BUGDET": "2G",
+        "VLLM_CACHE_ROOT": str(cache_root),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "ELASTICKV_BUGDET set but ELASTICKV=1 is not" in log, log[-3000:]

@@ -159,3 +159,16 @@ def test_set_now_restores_the_reserved_floor_at_once() -> None:
         assert writer.set_now("b", 12 * MiB) is None  # beyond the room: refused
         a.close()
         b.close()
+
+
+def test_writer_never_sets_a_limit_below_an_engines_floor() -> None:
+    """A release to a floor below what the engine holds for life (its null block) writes the
+    engine's floor instead: the ledger would refuse the lower limit."""
+    with open_ledger("host", total_bytes=1 << 40, utilization=1.0) as ledger:
+        engine = ledger.register("a", limit=4 * MiB)
+        engine.set_floor_bytes(2 * MiB)
+        writer = LimitWriter(ledger, 12 * MiB, {"a": 4 * MiB})
+        change = writer.set_now("a", 128 << 10)
+        assert change is not None and change.new == 2 * MiB
+        assert writer.records()["a"].limit_desired == 2 * MiB
+        engine.close()

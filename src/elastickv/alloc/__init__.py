@@ -1,6 +1,11 @@
 """Elastic block allocation: blocks inside pages, pages committed on demand under a policy."""
 
-from elastickv.alloc.allocator import NULL_BLOCK, AllocatorStats, BlockAllocator
+from elastickv.alloc.allocator import (
+    NULL_BLOCK,
+    AllocatorStats,
+    BlockAllocator,
+    null_floor_bytes,
+)
 from elastickv.alloc.pagemap import PageMap
 from elastickv.alloc.policy import CapacityPolicy, FixedBudget, Unlimited
 from elastickv.alloc.precommit import PrecommitThread
@@ -14,4 +19,5 @@ __all__ = [
     "PageMap",
     "PrecommitThread",
     "Unlimited",
+    "null_floor_bytes",
 ]

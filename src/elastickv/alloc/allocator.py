@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Collection
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from itertools import groupby
 from types import TracebackType
@@ -61,6 +62,13 @@ class AllocatorStats:
     @property
     def committed_bytes(self) -> int:
         return self.committed_pages * self.page_size
+
+
+def null_floor_bytes(page_map: PageMap) -> int:
+    """Bytes an allocator with a null block commits before it hands out anything: every page
+    of the null block's slab. Known from the geometry alone, so a budget can be checked
+    against it (and a refusal explained) before the allocator exists."""
+    return len(page_map.slab_pages[page_map.block_slab[NULL_BLOCK]]) * page_map.page_size
 
 
 class BlockAllocator:
@@ -148,6 +156,9 @@ class BlockAllocator:
         self._allocations = self._refusals = self._frees = 0
         self._pages_committed = self._pages_released = self._rollbacks = 0
         self._last_error: str | None = None
+        # Called with the seconds each page commit took (admission + backend), e.g. by a
+        # metrics histogram; None costs nothing.
+        self.commit_observer: Callable[[float], None] | None = None
         self._null = NULL_BLOCK if reserve_null_block else None
         self._precommit: PrecommitThread | None = None
         # The slab being filled, out of the buckets (-1: none). It is always warm and live, so
@@ -241,6 +252,13 @@ class BlockAllocator:
             committed = self._committed
             idle = (p for slab in self._idle for p in own[slab] if committed[p])
             return frozenset(self._hot_shared.union(idle))
+
+    def floor_bytes(self) -> int:
+        """What the allocator holds for its whole life: the pages of the null block's slab
+        (committed at construction, released only by :meth:`close`); 0 without a null block."""
+        if self._null is None:
+            return 0
+        return null_floor_bytes(self.page_map)
 
     def null_block_pages(self) -> frozenset[int]:
         if self._null is None:
@@ -637,6 +655,8 @@ class BlockAllocator:
         if not pages:
             return True
         nbytes = len(pages) * self._page_size
+        observer = self.commit_observer
+        start = time.perf_counter() if observer is not None else 0.0
         if not self._policy.try_admit(nbytes):
             return False
         try:
@@ -648,6 +668,8 @@ class BlockAllocator:
             raise
         self._pages_committed += len(pages)
         self._mark(pages, committed=True)
+        if observer is not None:
+            observer(time.perf_counter() - start)
         return True
 
     def _roll_back_commit(self, pages: set[int], nbytes: int, cause: BaseException) -> None:

@@ -32,6 +32,7 @@ from elastickv.control.errors import (
     LedgerFull,
     LedgerPermissionError,
     LedgerVersionMismatch,
+    LimitBelowFloor,
     StaleRevision,
     UnknownInstance,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "LedgerPolicy",
     "LedgerSnapshot",
     "LedgerVersionMismatch",
+    "LimitBelowFloor",
     "LimitSpec",
     "StaleRevision",
     "UnknownInstance",

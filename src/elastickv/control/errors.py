@@ -71,5 +71,22 @@ class StaleRevision(LedgerError):
         )
 
 
+class LimitBelowFloor(LedgerError, ValueError):
+    """``set_limit`` asked for less than the instance holds for its whole life (its floor):
+    it could never get under such a limit and would stay "draining" forever."""
+
+    def __init__(self, name: str, limit: int, floor: int) -> None:
+        from elastickv.units import format_bytes
+
+        self.name = name
+        self.limit = limit
+        self.floor = floor
+        super().__init__(
+            f"a limit of {format_bytes(limit)} is below the floor of instance {name!r}: it holds "
+            f"{format_bytes(floor)} for as long as it runs (its null block's pages), so it "
+            f"could never get under that limit; set at least {format_bytes(floor)}"
+        )
+
+
 class InstanceClosed(LedgerError):
     """The handle was unregistered, or its record was reclaimed or reset under it."""

@@ -30,6 +30,7 @@ class InstanceInfo:
     refusals: int
     releases: int
     registered_at: float
+    floor_bytes: int = 0  # held for the instance's whole life: no limit below it is accepted
 
     @property
     def used_bytes(self) -> int:

@@ -35,6 +35,7 @@ from elastickv.control.errors import (
     LedgerError,
     LedgerFull,
     LedgerVersionMismatch,
+    LimitBelowFloor,
     StaleRevision,
     UnknownInstance,
 )
@@ -45,6 +46,7 @@ from elastickv.control.paths import HOST_DEVICE, ensure_directory, ledger_direct
 from elastickv.control.records import (
     F_ADMISSIONS,
     F_COMMITTED,
+    F_FLOOR,
     F_LIMIT,
     F_NONCE,
     F_PEAK,
@@ -349,6 +351,7 @@ class Ledger:
             refusals=record.refusals,
             releases=record.releases,
             registered_at=record.registered_ns / 1e9,
+            floor_bytes=record.floor,
         )
 
     def _usage(self, segment: Segment, records: list[tuple[int, Record]]) -> DeviceUsage:
@@ -521,6 +524,16 @@ class Ledger:
         finally:
             self._exit()
 
+    def _set_floor(self, handle: InstanceHandle, nbytes: int) -> None:
+        segment = self._enter()
+        try:
+            raw = self._own_raw(segment, handle)
+            raw[F_FLOOR] = nbytes
+            write_raw(segment.mm, record_offset(handle.slot), raw)
+            segment.bump_generation()
+        finally:
+            self._exit()
+
     def _available(self, handle: InstanceHandle) -> int:
         segment = self._enter()
         try:
@@ -605,6 +618,8 @@ class Ledger:
             slot, record = found[0]
             if expected_revision is not None and expected_revision != record.limit_revision:
                 raise StaleRevision(name, expected_revision, record.limit_revision)
+            if desired is not None and desired < record.floor:
+                raise LimitBelowFloor(name, desired, record.floor)
             budget = segment.header.budget_bytes
             cap = budget if desired is None else min(desired, budget)
             reserved = max(0, min(record.reserved, cap - record.committed))
@@ -755,6 +770,13 @@ class InstanceHandle:
         _check_bytes(nbytes)
         self._check_open()
         return self._ledger._set_reserved(self, nbytes)
+
+    def set_floor_bytes(self, nbytes: int) -> None:
+        """Publish what this instance holds for its whole life (e.g. a KV cache's null block):
+        ``set_limit`` then refuses limits below it, which could never be met."""
+        _check_bytes(nbytes)
+        self._check_open()
+        self._ledger._set_floor(self, nbytes)
 
     def available_bytes(self) -> int:
         """What ``try_admit`` could grant now (a snapshot)."""

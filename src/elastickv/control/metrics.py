@@ -18,7 +18,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 from wsgiref.simple_server import WSGIServer
@@ -72,6 +72,7 @@ class InstanceMetrics:
             raise ValueError("InstanceMetrics needs a ledger handle or an instance name")
         self._handle = handle
         self._allocator = allocator
+        self._cached_blocks: Callable[[], int] | None = None
         self.name = name if name is not None else handle.name if handle is not None else ""
         self.device = device if device is not None else _device_of(handle)
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -94,10 +95,18 @@ class InstanceMetrics:
     def allocator(self) -> BlockAllocator | None:
         return self._allocator
 
-    def attach_allocator(self, allocator: BlockAllocator) -> None:
+    def attach_allocator(
+        self, allocator: BlockAllocator, *, cached_blocks: Callable[[], int] | None = None
+    ) -> None:
         """Export this allocator's counters too (the allocator is usually built after the
-        metrics, around :meth:`metered_policy`)."""
+        metrics, around :meth:`metered_policy`). ``cached_blocks`` counts the backed blocks
+        no request uses but a prefix cache keeps for reuse (vLLM's block pool knows them)."""
         self._allocator = allocator
+        self._cached_blocks = cached_blocks
+
+    def cached_blocks(self) -> int:
+        """Backed blocks kept only for prefix-cache reuse (0 when nobody said)."""
+        return 0 if self._cached_blocks is None else self._cached_blocks()
 
     # -- commit latency ------------------------------------------------------------------------
 
@@ -265,6 +274,7 @@ class _InstanceCollector(Collector):
         allocator = metrics.allocator
         if allocator is not None:
             stats = allocator.stats()
+            cached = metrics.cached_blocks()
             out += [
                 counter(
                     "elastickv_allocations",
@@ -279,7 +289,23 @@ class _InstanceCollector(Collector):
                 counter("elastickv_frees", "free() calls", stats.frees),
                 counter("elastickv_pages_committed", "Pages committed", stats.pages_committed),
                 counter("elastickv_pages_released", "Pages released", stats.pages_released),
-                gauge("elastickv_live_blocks", "Blocks in use", stats.live_blocks),
+                gauge(
+                    "elastickv_backed_blocks",
+                    "Blocks handed out and kept on committed pages: in use by requests or "
+                    "cached for prefix reuse (the null block not counted)",
+                    stats.live_blocks,
+                ),
+                gauge(
+                    "elastickv_in_use_blocks",
+                    "Backed blocks that requests use now (backed minus cached)",
+                    max(0, stats.live_blocks - cached),
+                ),
+                gauge(
+                    "elastickv_cached_blocks",
+                    "Backed blocks no request uses, kept for prefix-cache reuse (evicted first "
+                    "when memory is short)",
+                    cached,
+                ),
                 gauge("elastickv_free_blocks", "Usable blocks not in use", stats.free_blocks),
                 gauge(
                     "elastickv_hot_pages", "Committed pages under no live block", stats.hot_pages

@@ -21,7 +21,7 @@ import zlib
 from dataclasses import dataclass
 
 MAGIC = b"EKVLEDGR"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 HEADER_SIZE = 256
 RECORD_SIZE = 192
 MAX_CAPACITY = 64  # the in-use mask is one u64
@@ -44,8 +44,9 @@ MASK_OFFSET = DYNAMIC_OFFSET + 8
 SWEEP_OFFSET = DYNAMIC_OFFSET + 16
 
 # nonce, flags, pid, start time, registered (ns), limit desired (-1: none), limit revision,
-# committed, reserved, peak, admissions, refusals, releases, name length, name
-_RECORD = struct.Struct("<QIIQQqQQQQQQQH64s")
+# committed, reserved, peak, admissions, refusals, releases, name length, name, floor (the
+# bytes the owner holds for its whole life: a limit below it could never be met)
+_RECORD = struct.Struct("<QIIQQqQQQQQQQH64sQ")
 _RECORD_CRC = struct.Struct("<I")
 RECORD_PAYLOAD = _RECORD.size
 # committed and reserved are adjacent: the admission path reads just these 16 bytes per peer.
@@ -215,6 +216,7 @@ class Record:
     refusals: int
     releases: int
     name: str
+    floor: int = 0
 
     @property
     def in_use(self) -> bool:
@@ -250,6 +252,7 @@ def encode_record(record: Record) -> bytes:
         record.releases,
         len(name),
         name,
+        record.floor,
     )
     return body + _RECORD_CRC.pack(zlib.crc32(body)) + bytes(RECORD_SIZE - RECORD_PAYLOAD - 4)
 
@@ -282,6 +285,7 @@ def decode_record(data: bytes | memoryview) -> Record:
         releases,
         name_len,
         name,
+        floor,
     ) = _RECORD.unpack(body)
     if name_len > NAME_BYTES or limit < NO_LIMIT:
         raise FormatError("record fields out of range")
@@ -304,13 +308,14 @@ def decode_record(data: bytes | memoryview) -> Record:
         refusals=refusals,
         releases=releases,
         name=text,
+        floor=floor,
     )
 
 
 # Field positions in the raw tuple, for the admission hot path (no dataclass round trip).
 F_NONCE, F_LIMIT, F_COMMITTED, F_RESERVED, F_PEAK = 0, 5, 7, 8, 9
-F_ADMISSIONS, F_REFUSALS, F_RELEASES = 10, 11, 12
-RawRecord = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, bytes]
+F_ADMISSIONS, F_REFUSALS, F_RELEASES, F_FLOOR = 10, 11, 12, 15
+RawRecord = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, bytes, int]
 
 
 def read_raw(buffer: bytes | bytearray | memoryview | mmap.mmap, offset: int) -> RawRecord:

@@ -208,6 +208,7 @@ class LimitWriter:
         return done[0] if done else None
 
     def _write(self, info: InstanceInfo, target: int) -> list[LimitChange]:
+        target = max(target, info.floor_bytes)  # the engine holds its floor while it runs
         if info.limit_desired == target:
             return []
         try:

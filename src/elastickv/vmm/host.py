@@ -346,6 +346,32 @@ class HostPool:
             raise RangeClosedError("this host pool was closed; create or attach a new one")
 
 
+def largest_reservation(size_bytes: int, libc: LibC | None = None) -> int:
+    """``size_bytes`` if this process can reserve that much address space now (the way a
+    range does: anonymous ``PROT_NONE``, which costs nothing), else about the largest it can
+    (within 1/64). Lets a configured capacity be checked before anything is built on it."""
+
+    def fits(size: int) -> bool:
+        try:
+            address = lib.mmap(0, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        except OSError:
+            return False
+        lib.munmap_quietly(address, size)
+        return True
+
+    lib = libc if libc is not None else LibC()
+    if size_bytes <= 0 or fits(size_bytes):
+        return size_bytes
+    low, high = 0, size_bytes  # fits(low) (trivially for 0), not fits(high)
+    while high - low > max(high >> 6, host_granularity()):
+        middle = round_up((low + high) // 2, host_granularity())
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
 class _Reservation:
     """An address range that is unmapped when its last holder (range or tensor) lets go."""
 

@@ -31,7 +31,9 @@ from vllm.v1.core.block_pool import BlockPool
 from elastickv.alloc import AllocatorStats, BlockAllocator
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.registration import registration_of
+from elastickv.integrations.vllm.startup import RefusalLog, log_startup, startup_refusal
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
+from elastickv.units import format_bytes
 from elastickv.vmm.errors import CommitError
 
 logger = logging.getLogger(__name__)
@@ -63,25 +65,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         try:
             self.allocator: BlockAllocator = store.make_allocator()
         except CommitError as exc:
-            where = (
-                f"the ledger refused them for instance {self.registration.name!r} (device "
-                "budget or instance limit full; see `elastickv list`)"
-                if self.registration is not None
-                else "the capacity policy refused them"
-            )
+            why = startup_refusal(store, self.registration)
             if self.registration is not None:
                 self.registration.close()
-            raise ElasticKVStartupError(
-                f"cannot commit the KV cache's null block at start-up: {where}: {exc}"
-            ) from exc
-        if self.registration is not None:
-            self.registration.attach_allocator(self.allocator)
+            raise ElasticKVStartupError(why) from exc
         self._parked: dict[int, None] = {}  # LRU first
         self._stash: list[int] = []
         self._need: int | None = None
         self._hits: frozenset[int] = frozenset()  # prefix hits the open window will touch
         self._in_window = False
         self._next_limit_check = 0.0
+        self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
+        self._draining_revision = 0
+        if self.registration is not None:
+            self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
+        log_startup(store, self.allocator, self.registration)
 
     # -- admission (scheduler hooks) ---------------------------------------------------------
 
@@ -114,6 +112,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         need, self._need = self._need, None
         if need is None or need > free or self._back(need):
             return free
+        self._refusals.refused(need, self.allocator.stats().committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
 
     def _back(self, need: int) -> bool:
@@ -170,8 +169,36 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             trimmed = self.allocator.trim(max(0, hot - -(-over // page)))
             released += trimmed
             if trimmed == 0 and not self._evict_parked(max(1, -(-over // page))):
+                self._log_draining(over)
                 break  # only live blocks remain: they drain as requests finish
+        if released:
+            info = self.registration.handle.info()
+            logger.info(
+                "elastickv: %r applied its lowered limit %s: released %d pages (%s), "
+                "%s committed now",
+                self.registration.name,
+                format_bytes(info.limit_effective),
+                released,
+                format_bytes(released * page),
+                format_bytes(info.committed_bytes),
+            )
         return released
+
+    def _log_draining(self, over: int) -> None:
+        """Once per limit revision: the engine is over its limit and only blocks in use
+        remain; it will get under as requests finish."""
+        assert self.registration is not None
+        info = self.registration.handle.info()
+        if info.limit_revision == self._draining_revision:
+            return
+        self._draining_revision = info.limit_revision
+        logger.info(
+            "elastickv: %r is %s over its limit %s with only blocks in use left: no new "
+            "blocks until requests finish and free theirs",
+            self.registration.name,
+            format_bytes(over),
+            format_bytes(info.limit_desired or 0),
+        )
 
     def sync_limit_idle(self) -> int:
         """:meth:`sync_limit` while the engine waits for work (its idle ticks): always reads
@@ -273,6 +300,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self.allocator.free(done)
 
     # -- introspection -----------------------------------------------------------------------
+
+    def cached_blocks(self) -> int:
+        """Backed blocks no request uses, kept for prefix-cache reuse (for metrics)."""
+        return len(self._parked)
 
     def elastic_stats(self) -> dict[str, int]:
         """Counts a test or monitor can print: blocks by state, pages, kernel footprint."""

@@ -1,18 +1,22 @@
 """Every ``ELASTICKV_*`` setting, parsed and validated in one place into a frozen config.
 
 Why one place: the plugin runs in every vLLM process (API server, engine core, workers),
-and each must read the same settings the same way.
+and each must read the same settings the same way. Errors echo what the user typed, in
+their units, and say what would be accepted.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from elastickv.control.limits import parse_limit
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.units import parse_size
+from elastickv.units import format_bytes, parse_size
 from elastickv.vmm import DEFAULT_PAGE_SIZE, host_granularity
+from elastickv.vmm.host import largest_reservation
 
 ENABLE_VAR = "ELASTICKV"
 PREFIX = "ELASTICKV_"
@@ -26,9 +30,13 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "hot_max_pages": ("ELASTICKV_HOT_MAX_PAGES", "freed pages kept for reuse (default 4)"),
     "virtual_capacity_bytes": (
         "ELASTICKV_VIRTUAL_CAPACITY",
-        "KV capacity advertised to vLLM (default: half of physical memory)",
+        "most KV capacity advertised to vLLM (default: half of physical memory; never more "
+        "than max-num-seqs requests of max-model-len tokens)",
     ),
-    "budget_bytes": ("ELASTICKV_BUDGET", "most physical KV bytes this engine may commit"),
+    "budget_bytes": (
+        "ELASTICKV_BUDGET",
+        "most physical KV bytes this engine may commit: 2G, 30% (of the device budget) or none",
+    ),
     "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
     "instance_name": (
         "ELASTICKV_INSTANCE",
@@ -41,6 +49,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "fail if a forward touches KV pages not committed before it (default 0)",
     ),
 }
+KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values())
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -49,9 +58,31 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     return _parse_bool(ENABLE_VAR, env.get(ENABLE_VAR, "0"))
 
 
+def ignored_settings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``ELASTICKV_*`` variables that are set while the plugin is off: vLLM runs natively and
+    they change nothing, which a user who set them wants to know."""
+    env = os.environ if environ is None else environ
+    return sorted(k for k in env if k.startswith(PREFIX))
+
+
+def unknown_setting_message(names: list[str]) -> str:
+    """ "unknown setting …; did you mean …?" for mistyped ``ELASTICKV_*`` variables."""
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1, cutoff=0.6)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return (
+        f"unknown elastickv setting(s) {', '.join(hints)}; known: "
+        f"{', '.join(sorted(KNOWN_VARIABLES))}"
+    )
+
+
 @dataclass(frozen=True)
 class ElasticConfig:
-    """The plugin's settings for one engine. Construct via :meth:`from_env`."""
+    """The plugin's settings for one engine. Construct via :meth:`from_env`.
+
+    ``budget_bytes`` / ``budget_percent``: at most one is set (``ELASTICKV_BUDGET=2G`` or
+    ``=30%``, a share of the device budget resolved when the engine registers)."""
 
     page_size: int = DEFAULT_PAGE_SIZE
     hot_min_pages: int = 0
@@ -63,25 +94,39 @@ class ElasticConfig:
     check_commits: bool = False
     ledger_dir: str | None = None
     metrics_port: int | None = None
+    budget_percent: float | None = None
+    # What the user typed, by setting name, so errors echo it (not part of equality).
+    typed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         gran = host_granularity()
         if self.page_size <= 0 or self.page_size % gran:
             raise ElasticKVStartupError(
-                f"ELASTICKV_PAGE_SIZE={self.page_size} must be a positive multiple of the "
-                f"OS page size ({gran} bytes), e.g. 64K or 2M"
+                f"{self.shown('page_size', self.page_size)} must be a positive multiple of "
+                f"the OS page size ({format_bytes(gran)}), e.g. 64K or 2M"
             )
         if not 0 <= self.hot_min_pages <= self.hot_max_pages:
             raise ElasticKVStartupError(
                 "need 0 <= ELASTICKV_HOT_MIN_PAGES <= ELASTICKV_HOT_MAX_PAGES, got "
                 f"{self.hot_min_pages} and {self.hot_max_pages}"
             )
+        if self.budget_bytes is not None and self.budget_percent is not None:
+            raise ElasticKVStartupError("set ELASTICKV_BUDGET as a size or a percentage, not both")
+        if self.budget_percent is not None and not 0 < self.budget_percent <= 100:
+            raise ElasticKVStartupError(
+                f"{self.shown('budget_bytes', f'{self.budget_percent}%')}: a percentage of the "
+                "device budget must be above 0% and at most 100%"
+            )
         for name in ("virtual_capacity_bytes", "budget_bytes"):
             value = getattr(self, name)
             if value is not None and value < self.page_size:
                 raise ElasticKVStartupError(
-                    f"{SETTINGS[name][0]}={value} is smaller than one page ({self.page_size})"
+                    f"{self.shown(name, value)} is smaller than one page "
+                    f"({self.shown('page_size', self.page_size)}): set at least "
+                    f"{format_bytes(self.page_size)}"
                 )
+        if self.virtual_capacity_bytes is not None:
+            self._check_reservable(self.virtual_capacity_bytes)
         if self.instance_name is not None and not self.instance_name.strip():
             raise ElasticKVStartupError("ELASTICKV_INSTANCE must not be blank")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -89,22 +134,57 @@ class ElasticConfig:
                 f"ELASTICKV_METRICS_PORT={self.metrics_port} is not a TCP port (0-65535)"
             )
 
+    def shown(self, name: str, value: int | str) -> str:
+        """``VAR=<as typed> (<in units>)`` for an error message."""
+        var = SETTINGS[name][0]
+        text = self.typed.get(name)
+        if isinstance(value, int):
+            units = format_bytes(value)
+            if text is None:
+                return f"{var}={units}"
+            return f"{var}={text}" if text.strip() == units else f"{var}={text} ({units})"
+        return f"{var}={text if text is not None else value}"
+
+    def _check_reservable(self, size: int) -> None:
+        most = largest_reservation(size)
+        if most < size:
+            raise ElasticKVStartupError(
+                f"{self.shown('virtual_capacity_bytes', size)} cannot be reserved on this "
+                f"host: the largest address range it can reserve now is about "
+                f"{format_bytes(most)}; set ELASTICKV_VIRTUAL_CAPACITY at most that, or leave "
+                "it unset (half of physical memory)"
+            )
+
+    @property
+    def budget_spec(self) -> int | str | None:
+        """``ELASTICKV_BUDGET`` as the ledger takes a limit: bytes, ``"30%"``, or None."""
+        if self.budget_percent is not None:
+            return f"{self.budget_percent}%"
+        return self.budget_bytes
+
+    def budget_text(self) -> str:
+        """The budget for a log line: ``2.0 GiB``, ``30% of the device budget`` or ``none``."""
+        if self.budget_percent is not None:
+            return f"{self.budget_percent:g}% of the device budget"
+        return "none" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ElasticConfig:
         """Parse ``ELASTICKV_*``; an unknown ``ELASTICKV_`` variable is an error (a typo
         would otherwise be silently ignored)."""
         env = os.environ if environ is None else environ
-        known = {var for var, _ in SETTINGS.values()}
-        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in known)
+        unknown = sorted(k for k in env if k.startswith(PREFIX) and k not in KNOWN_VARIABLES)
         if unknown:
-            raise ElasticKVStartupError(
-                f"unknown elastickv setting(s) {', '.join(unknown)}; known: "
-                f"{', '.join(sorted(known))}"
-            )
+            raise ElasticKVStartupError(unknown_setting_message(unknown))
+
+        typed: dict[str, str] = {}
 
         def get(name: str) -> str | None:
             value = env.get(SETTINGS[name][0])
-            return None if value is None or not value.strip() else value
+            if value is None or not value.strip():
+                return None
+            typed[name] = value.strip()
+            return value
 
         def size(name: str) -> int | None:
             text = get(name)
@@ -127,6 +207,7 @@ class ElasticConfig:
                 ) from None
             return value
 
+        budget_bytes, budget_percent = _budget(get("budget_bytes"))
         strict_text = get("strict")
         check_text = get("check_commits")
         return cls(
@@ -134,13 +215,15 @@ class ElasticConfig:
             hot_min_pages=count("hot_min_pages", 0),
             hot_max_pages=count("hot_max_pages", 4),
             virtual_capacity_bytes=size("virtual_capacity_bytes"),
-            budget_bytes=size("budget_bytes"),
+            budget_bytes=budget_bytes,
+            budget_percent=budget_percent,
             strict=True if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
             instance_name=get("instance_name"),
             check_commits=check_text is not None
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),
             ledger_dir=get("ledger_dir"),
             metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
+            typed=typed,
         )
 
     def resolved_virtual_capacity(self) -> int:
@@ -148,6 +231,20 @@ class ElasticConfig:
         if self.virtual_capacity_bytes is not None:
             return self.virtual_capacity_bytes
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+
+
+def _budget(text: str | None) -> tuple[int | None, float | None]:
+    """``ELASTICKV_BUDGET`` in the grammar of ``elastickv limit``: a size, ``N%`` or none."""
+    if text is None:
+        return None, None
+    stripped = text.strip()
+    try:
+        if stripped.endswith("%"):
+            parse_limit(stripped, 100)  # the syntax and the 0..100 range
+            return None, float(stripped[:-1])
+        return parse_limit(stripped, 0), None
+    except ValueError as exc:
+        raise ElasticKVStartupError(f"ELASTICKV_BUDGET: {exc}") from None
 
 
 def _parse_bool(var: str, text: str) -> bool:

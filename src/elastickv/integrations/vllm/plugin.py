@@ -7,10 +7,17 @@ either installs every hook the detected contract needs or raises — never half 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import threading
 
 from elastickv.geometry import Contract
-from elastickv.integrations.vllm.config import ElasticConfig, enabled
+from elastickv.integrations.vllm.config import (
+    ENABLE_VAR,
+    ElasticConfig,
+    enabled,
+    ignored_settings,
+)
+from elastickv.integrations.vllm.logs import join_vllm_log
 from elastickv.integrations.vllm.store import PolicyFactory, default_policy
 
 logger = logging.getLogger(__name__)
@@ -19,17 +26,31 @@ _install_lock = threading.Lock()
 
 def register() -> None:
     """Entry point: validate settings and the vLLM contract, then install the hooks."""
+    join_vllm_log()
     if not enabled():
+        ignored = ignored_settings()
+        # Once, from the process the user started (vLLM's engine and worker processes are
+        # multiprocessing children and load the plugin again).
+        if ignored and multiprocessing.parent_process() is None:
+            logger.warning(
+                "elastickv: %s set but %s=1 is not: vLLM runs without elastickv and these "
+                "settings do nothing (set %s=1 to enable elastickv)",
+                ", ".join(ignored),
+                ENABLE_VAR,
+                ENABLE_VAR,
+            )
         return
     install(ElasticConfig.from_env())
 
 
 def install(config: ElasticConfig, policy_factory: PolicyFactory = default_policy) -> Contract:
     """Install the hooks for the installed vLLM (idempotent); returns the contract used."""
+    from elastickv.integrations.vllm import preflight
     from elastickv.integrations.vllm.contract import detect_contract, installed_version
 
     contract = detect_contract()
     with _install_lock:
+        preflight.install()
         if contract is Contract.V032:
             from elastickv.integrations.vllm import engine_core, scheduler_v032, worker_v032
 
@@ -42,14 +63,11 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
             worker_v028.install(config, policy_factory)
             engine_core.install(config, policy_factory)  # same EngineCore hook in 0.28
             scheduler_v028.install()
-    logger.info(
-        "elastickv: vLLM %s, %s contract, page %d B, hot %d..%d pages, virtual %d B, budget %s",
+    logger.debug(
+        "elastickv: hooks installed for vLLM %s (%s contract), page %d B, budget %s",
         installed_version(),
         contract.value,
         config.page_size,
-        config.hot_min_pages,
-        config.hot_max_pages,
-        config.resolved_virtual_capacity(),
-        config.budget_bytes,
+        config.budget_text(),
     )
     return contract

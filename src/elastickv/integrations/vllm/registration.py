@@ -8,8 +8,9 @@ and the scheduler applies it once per step (:meth:`EngineRegistration.sync_limit
 record goes away on a clean engine shutdown, at process exit, and — should the process die
 — by the ledger's liveness sweep.
 
-Default name: ``<served model name>:<port>`` under the OpenAI server, else
-``<model dir name>-<pid>``; ``ELASTICKV_INSTANCE`` overrides it.
+Default name: the last path component of the served model name (``--served-model-name``,
+which defaults to ``--model``) and ``:<port>`` under the OpenAI server (``tiny-llama:8000``),
+else ``-<pid>`` (``tiny-llama-12345``); ``ELASTICKV_INSTANCE`` overrides it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastickv.control import DuplicateInstance, InstanceHandle, Ledger, LedgerError, open_ledger
@@ -117,7 +118,7 @@ class EngineRegistration:
         return self.handle.name
 
     def _register(self, name: str | None) -> InstanceHandle:
-        limit = self.config.budget_bytes
+        limit = self.config.budget_spec
         explicit = self.config.instance_name
         try:
             if explicit is not None:
@@ -146,11 +147,17 @@ class EngineRegistration:
             ) from exc
         logger.info("elastickv: metrics of %r at %s", self.name, self.server.url)
 
-    def attach_allocator(self, allocator: BlockAllocator) -> None:
-        """The scheduler's allocator: closed (pages returned) before unregistering."""
+    def attach_allocator(
+        self, allocator: BlockAllocator, cached_blocks: Callable[[], int] | None = None
+    ) -> None:
+        """The scheduler's allocator: closed (pages returned) before unregistering. Its
+        floor goes into the record (no limit below it is accepted), its commits into the
+        commit-latency metric; ``cached_blocks`` counts the prefix-cache blocks it keeps."""
         self.allocator = allocator
+        self.handle.set_floor_bytes(allocator.floor_bytes())
         if self.metrics is not None:
-            self.metrics.attach_allocator(allocator)
+            self.metrics.attach_allocator(allocator, cached_blocks=cached_blocks)
+            allocator.commit_observer = self.metrics.observe_commit
 
     def over_limit_bytes(self) -> int:
         """How far the engine is over its live limit (0 when closed or within it)."""
@@ -188,11 +195,11 @@ def register_engine(config: ElasticConfig) -> EngineRegistration:
     registration = EngineRegistration(config, hint)
     with _lock:
         _live.append(registration)
-    logger.info(
+    logger.debug(
         "elastickv: registered %r in %s (limit %s)",
         registration.name,
         registration.ledger.path,
-        config.budget_bytes,
+        config.budget_text(),
     )
     return registration
 

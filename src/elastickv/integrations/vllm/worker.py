@@ -118,6 +118,27 @@ def export_fd(placed: ElasticStore | WorkerPool) -> int:
     return placed.pool.fd
 
 
+def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
+    """The KV bytes to tell vLLM it has: the virtual capacity, but never more than the engine
+    can use at once (``max_num_seqs`` requests of ``max_model_len`` tokens, plus the null
+    block). vLLM builds one Python object per block at start-up, so blocks beyond that bound
+    would only cost start-up time and memory (1 TiB of a tiny model: 32M blocks, 120 s)."""
+    virtual = config.resolved_virtual_capacity()
+    try:
+        specs = list(worker.model_runner.get_kv_cache_spec().values())
+        vllm_config = worker.vllm_config
+        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        max_len = int(vllm_config.model_config.max_model_len)
+        block_bytes = sum(int(spec.page_size_bytes) for spec in specs)
+        block_size = int(specs[0].block_size)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        return virtual  # an unfamiliar runner: keep the configured capacity
+    if block_bytes <= 0 or block_size <= 0:
+        return virtual
+    usable_blocks = max_seqs * -(-max_len // block_size) + 1
+    return min(virtual, usable_blocks * block_bytes)
+
+
 def group_index(kv_cache_config: Any, layer_name: str) -> int:
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         if layer_name in group.layer_names:

@@ -33,6 +33,7 @@ from elastickv.integrations.vllm.geometry_v032 import verify_views
 from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
     PERSISTENT_MARK,
+    advertised_capacity,
     attach_placement,
     group_index,
     install_runner_hooks,
@@ -100,7 +101,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
             # vLLM's own version warms the model up, then reads free host memory; only the
             # warm-up is wanted (the figure would count colocated engines).
             self.model_runner.warming_up_model()
-            return config.resolved_virtual_capacity()
+            return advertised_capacity(self, config)
 
         return determine_available_memory
 

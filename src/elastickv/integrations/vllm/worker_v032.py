@@ -33,6 +33,7 @@ from elastickv.integrations.vllm.geometry_v032 import (
 from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
     PERSISTENT_MARK,
+    advertised_capacity,
     attach_placement,
     group_index,
     install_runner_hooks,
@@ -86,7 +87,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
     def memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         def determine_available_memory(self: Any) -> int:
             original(self)  # keeps vLLM's warm-up; its host-memory figure is not ours
-            return config.resolved_virtual_capacity()
+            return advertised_capacity(self, config)
 
         return determine_available_memory
 

@@ -1,0 +1,135 @@
+"""What an elastic engine says about itself: its start-up line, why it could not start, and
+(rate-limited) when its limit makes vLLM wait.
+
+Why a module of its own: these lines are what a vLLM user reads to know elastickv is on and
+why an engine waits or refuses; they are assembled from the store, the allocator and the
+ledger, none of which should know about log wording.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from elastickv.alloc import PageMap, null_floor_bytes
+from elastickv.units import format_bytes
+
+if TYPE_CHECKING:
+    from elastickv.alloc import BlockAllocator
+    from elastickv.integrations.vllm.registration import EngineRegistration
+    from elastickv.integrations.vllm.store import ElasticStore
+
+logger = logging.getLogger(__name__)
+REFUSAL_LOG_INTERVAL_S = 10.0
+
+
+def log_startup(
+    store: ElasticStore, allocator: BlockAllocator, registration: EngineRegistration | None
+) -> None:
+    """One INFO line in vLLM's log: elastickv is on, and with what."""
+    from elastickv.integrations.vllm.contract import installed_version
+
+    geometry = store.geometry
+    where = (
+        f"instance {registration.name!r} in ledger {registration.ledger.path}"
+        if registration is not None
+        else "no ledger"
+    )
+    logger.info(
+        "elastickv %s on vLLM %s (%s contract): %s; %d KV blocks in a virtual %s, pages of "
+        "%s committed on demand (floor %s), budget %s",
+        _version(),
+        installed_version(),
+        getattr(geometry.contract, "value", geometry.contract),
+        where,
+        geometry.num_blocks,
+        format_bytes(store.vmm_range.size_bytes),
+        format_bytes(allocator.page_size),
+        format_bytes(allocator.floor_bytes()),
+        store.config.budget_text(),
+    )
+
+
+def startup_refusal(store: ElasticStore, registration: EngineRegistration | None) -> str:
+    """Why the null block's pages (the first commit) were refused, with the minimum in the
+    user's units and what to change."""
+    config = store.config
+    floor = null_floor_bytes(PageMap(store.geometry, config.page_size))
+    pages = floor // config.page_size
+    need = (
+        f"this engine needs at least {format_bytes(floor)} to start: its null block's "
+        f"{pages} page{'s' if pages != 1 else ''} of {format_bytes(config.page_size)}, held "
+        "while it runs"
+    )
+    smaller_pages = (
+        f", or a smaller ELASTICKV_PAGE_SIZE (the minimum is {pages} pages)" if pages > 1 else ""
+    )
+    budget = (
+        config.shown("budget_bytes", f"{config.budget_percent:g}%")
+        if config.budget_percent is not None
+        else config.shown("budget_bytes", config.budget_bytes)
+        if config.budget_bytes is not None
+        else None
+    )
+    if registration is None:
+        return (
+            f"cannot commit the KV cache's null block: {budget or 'the capacity policy'} "
+            f"refused it; {need}. Raise ELASTICKV_BUDGET{smaller_pages}"
+        )
+    info = registration.handle.info()
+    if info.limit_desired is not None and info.limit_desired < floor:
+        return (
+            f"{budget or 'the instance limit'} is below the minimum: {need}. Set "
+            f"ELASTICKV_BUDGET to at least {format_bytes(floor)}{smaller_pages}"
+        )
+    usage = registration.ledger.device_usage()
+    others = [
+        f"{i.name} {format_bytes(i.used_bytes)}"
+        for i in registration.ledger.list_instances()
+        if i.name != registration.name
+    ]
+    return (
+        f"the device budget is full: ledger {usage.path} has {format_bytes(usage.available_bytes)} "
+        f"free of {format_bytes(usage.budget_bytes)} (in use: {', '.join(others) or 'nothing'}); "
+        f"{need}. Stop another engine or lower its limit (`elastickv limit NAME SIZE`)"
+    )
+
+
+class RefusalLog:
+    """Counts allocations the limit refused; logs the first, then at most one line per
+    interval (a refusal happens on every scheduler step while an engine is at its limit)."""
+
+    def __init__(self, name: str, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.count = 0
+        self._pending = 0
+        self._next_log = 0.0
+
+    def refused(self, blocks: int, committed_bytes: int) -> None:
+        self.count += 1
+        self._pending += 1
+        now = time.monotonic()
+        if now < self._next_log:
+            return
+        self._next_log = now + self.interval_s
+        logger.info(
+            "elastickv: %r is at its memory limit (%s committed): %d allocation%s refused "
+            "(last: %d blocks); vLLM keeps requests waiting or preempts until memory frees",
+            self.name,
+            format_bytes(committed_bytes),
+            self._pending,
+            "s" if self._pending != 1 else "",
+            blocks,
+        )
+        self._pending = 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("elastickv")
+    except PackageNotFoundError:
+        return "(source)"

@@ -1,0 +1,86 @@
+"""``ELASTICKV_*`` settings without vLLM: one grammar with ``elastickv limit``, errors that
+echo what was typed in the user's units, capacities checked against what the host can
+reserve, typos caught."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastickv.integrations.vllm.config import ElasticConfig, ignored_settings
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.vmm.host import largest_reservation
+
+TiB = 1 << 40
+
+
+@pytest.mark.parametrize(
+    ("text", "size", "percent", "spec"),
+    [
+        ("2G", 2 << 30, None, 2 << 30),
+        ("512MiB", 512 << 20, None, 512 << 20),
+        ("30%", None, 30.0, "30.0%"),
+        ("12.5 %", None, 12.5, "12.5%"),
+        ("none", None, None, None),
+    ],
+)
+def test_budget_takes_the_limit_grammar(
+    text: str, size: int | None, percent: float | None, spec: int | str | None
+) -> None:
+    config = ElasticConfig.from_env({"ELASTICKV_BUDGET": text})
+    assert (config.budget_bytes, config.budget_percent, config.budget_spec) == (
+        size,
+        percent,
+        spec,
+    )
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"ELASTICKV_BUDGET": "1048576"},
+            "ELASTICKV_BUDGET=1048576 (1.0 MiB) is smaller than one page (ELASTICKV_PAGE_SIZE="
+            "2.0 MiB): set at least 2.0 MiB",
+        ),
+        (
+            {"ELASTICKV_BUDGET": "1M", "ELASTICKV_PAGE_SIZE": "2M"},
+            "ELASTICKV_BUDGET=1M (1.0 MiB) is smaller than one page (ELASTICKV_PAGE_SIZE=2M "
+            "(2.0 MiB))",
+        ),
+        ({"ELASTICKV_BUDGET": "120%"}, "a percentage must be between 0% and 100%"),
+        ({"ELASTICKV_BUDGET": "0%"}, "must be above 0%"),
+        ({"ELASTICKV_BUDGET": "lots"}, "use a size (512M, 2G, 2GiB), a percentage"),
+        ({"ELASTICKV_PAGE_SIZE": "1000"}, "ELASTICKV_PAGE_SIZE=1000 (1000 B) must be a positive"),
+        ({"ELASTICKV_BUGDET": "2G"}, "ELASTICKV_BUGDET (did you mean ELASTICKV_BUDGET?)"),
+    ],
+)
+def test_errors_echo_the_setting_as_typed(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ElasticKVStartupError) as caught:
+        ElasticConfig.from_env(env)
+    assert message in str(caught.value)
+
+
+def test_virtual_capacity_beyond_the_address_space_is_refused_up_front() -> None:
+    """100T was accepted and failed 38 s later in the worker with a bare ENOMEM; it is now
+    refused when the settings are read, naming the variable, the size and the most that
+    fits (if this host can reserve 100T, ask for more than it can)."""
+    ask = 100 * TiB if largest_reservation(100 * TiB) < 100 * TiB else 1 << 60
+    text = "100T" if ask == 100 * TiB else str(ask)
+    with pytest.raises(ElasticKVStartupError) as caught:
+        ElasticConfig.from_env({"ELASTICKV_VIRTUAL_CAPACITY": text})
+    message = str(caught.value)
+    assert message.startswith(f"ELASTICKV_VIRTUAL_CAPACITY={text} (")
+    assert "cannot be reserved on this host" in message and "at most that" in message
+    assert ElasticConfig.from_env({"ELASTICKV_VIRTUAL_CAPACITY": "8G"}).virtual_capacity_bytes
+
+
+def test_largest_reservation_is_a_real_bound() -> None:
+    most = largest_reservation(1 << 60)
+    assert 0 < most < 1 << 60
+    assert largest_reservation(most) == most  # what it reports can be reserved
+    assert largest_reservation(4096) == 4096
+
+
+def test_settings_set_while_the_plugin_is_off_are_reported() -> None:
+    assert ignored_settings({"ELASTICKV_BUGDET": "2G", "PATH": "/bin"}) == ["ELASTICKV_BUGDET"]
+    assert ignored_settings({"PATH": "/bin"}) == []
