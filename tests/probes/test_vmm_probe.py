@@ -62,3 +62,29 @@ def test_cuda_backend_fails_clearly_without_a_gpu() -> None:
     done = run_probe("--backend", "cuda")
     assert done.returncode == 2
     assert "error:" in done.stderr and "CUDA" in done.stderr
+
+
+def test_bad_page_size_is_an_error_not_a_traceback() -> None:
+    done = run_probe("--backend", "host", "--page-size", "12345")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: page_size 12345 bytes is not a positive multiple")
+
+
+def test_a_failing_close_is_a_fail_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault that only shows when the range is closed (a sticky CUDA error, say) must still
+    give a result row, not escape the probe."""
+    from elastickv.probes.vmm_probe import make_backend, run_case
+    from elastickv.vmm import HostRange, VmmError
+
+    real_close = HostRange.close
+
+    def failing_close(self: HostRange) -> None:
+        real_close(self)
+        raise VmmError("simulated fault while closing")
+
+    monkeypatch.setattr(HostRange, "close", failing_close)
+    result = run_case(make_backend("host", None), CASES[0])
+    assert not result.ok
+    assert result.error is not None
+    assert "closing the range: VmmError: simulated fault while closing" in result.error

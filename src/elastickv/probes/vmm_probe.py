@@ -29,7 +29,7 @@ from elastickv.geometry import (
     split_kv,
     vllm028_layout,
 )
-from elastickv.vmm import BackendUnavailable, VirtualRange, VmmBackend
+from elastickv.vmm import BackendUnavailable, VirtualRange, VmmBackend, VmmError
 
 BLOCKS = 600
 LAYERS = 3
@@ -134,84 +134,105 @@ def _write_and_check(
             )
 
 
+def _wait_for(tensor: torch.Tensor) -> None:
+    """Let queued kernels on ``tensor`` finish (CUDA launches are asynchronous)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
 def run_case(backend: VmmBackend, case: ProbeCase) -> ProbeResult:
+    """One probe case; any failure, a fault while closing included, becomes a FAIL result."""
     geometry = case.geometry()
     layout = KVLayout.parse(geometry.layout).name
     result = ProbeResult(case=case.name, layout=layout, backend=backend.name)
     start = time.perf_counter()
-    page = backend.page_size
-    result.page_size = page
-    vrange = backend.reserve(geometry.backing_bytes)
+    result.page_size = backend.page_size
     try:
-        every = range(geometry.num_blocks)
-        touched = {p for b in every for p in geometry.block_pages(b, page)}
-        result.pages_touched = len(touched)
-        result.straddling_blocks = sum(
-            1
-            for b in every
-            for s, e in geometry.block_byte_ranges(b)
-            if s // page != (e - 1) // page
-        )
-        policy = FixedBudget((len(touched) + SLACK_PAGES) * page)
-        alloc = BlockAllocator(geometry, vrange, policy, min_hot_pages=0, max_hot_pages=0)
-        try:
-            null_bytes = len(alloc.null_block_pages()) * page
-            blocks = alloc.allocate(BLOCKS)
-            _check(blocks is not None and len(blocks) == BLOCKS, "600 blocks allocated", result)
-            assert blocks is not None
-            _check(
-                vrange.footprint_bytes() == len(alloc.committed_pages()) * page,
-                "footprint equals committed pages",
-                result,
-            )
-            result.peak_footprint = vrange.footprint_bytes()
-            _write_and_check(geometry, vrange, blocks, result)
-            alloc.free(blocks)
-            result.footprint_after_free = vrange.footprint_bytes()
-            _check(
-                result.footprint_after_free == null_bytes,
-                "pages released after free (only the null block's remain)",
-                result,
-            )
-            foreign_pages = policy.available_bytes() // page - (len(touched) - null_bytes // page)
-            foreign_pages += 1
-            result.foreign_pages = foreign_pages
-            _check(policy.try_admit(foreign_pages * page), "foreign allocation admitted", result)
-            foreign = backend.reserve(foreign_pages * page)
-            try:
-                foreign.commit(range(foreign_pages))
-                foreign.as_tensor().fill_(0x5A)
-                _check(
-                    foreign.footprint_bytes() == foreign_pages * page,
-                    "foreign allocation is real memory",
-                    result,
-                )
-                _check(not alloc.can_allocate(BLOCKS), "capacity query sees the pressure", result)
-                refused = alloc.allocate(BLOCKS)
-                result.rejected_under_pressure = refused is None
-                _check(refused is None, "600 blocks rejected under pressure", result)
-                _check(vrange.footprint_bytes() == null_bytes, "rejection left no trace", result)
-            finally:
-                foreign.close()
-                policy.release(foreign_pages * page)
-            _check(alloc.can_allocate(BLOCKS), "capacity is back after the foreign free", result)
-            again = alloc.allocate(BLOCKS)
-            result.reallocated = again is not None
-            _check(again is not None, "600 blocks allocated again", result)
-            assert again is not None
-            _write_and_check(geometry, vrange, again, result)
-            alloc.free(again)
-            _check(vrange.footprint_bytes() == null_bytes, "released again", result)
-        finally:
-            alloc.close()
-        _check(policy.admitted_bytes == 0, "budget fully returned", result)
-        result.ok = True
-    except (ProbeFailure, Exception) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        vrange.close()
+        vrange = backend.reserve(geometry.backing_bytes)
+    except Exception as exc:
+        result.error = f"reserving the range: {type(exc).__name__}: {exc}"
         result.seconds = round(time.perf_counter() - start, 3)
+        return result
+    try:
+        _run_checks(backend, geometry, vrange, result)
+        result.ok = True
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    try:
+        vrange.close()
+    except Exception as exc:
+        closing = f"closing the range: {type(exc).__name__}: {exc}"
+        result.error = closing if result.error is None else f"{result.error}; {closing}"
+        result.ok = False
+    result.seconds = round(time.perf_counter() - start, 3)
     return result
+
+
+def _run_checks(
+    backend: VmmBackend, geometry: KVCacheGeometry, vrange: VirtualRange, result: ProbeResult
+) -> None:
+    page = backend.page_size
+    every = range(geometry.num_blocks)
+    touched = {p for b in every for p in geometry.block_pages(b, page)}
+    result.pages_touched = len(touched)
+    result.straddling_blocks = sum(
+        1 for b in every for s, e in geometry.block_byte_ranges(b) if s // page != (e - 1) // page
+    )
+    policy = FixedBudget((len(touched) + SLACK_PAGES) * page)
+    alloc = BlockAllocator(geometry, vrange, policy, min_hot_pages=0, max_hot_pages=0)
+    try:
+        null_bytes = len(alloc.null_block_pages()) * page
+        blocks = alloc.allocate(BLOCKS)
+        _check(blocks is not None and len(blocks) == BLOCKS, "600 blocks allocated", result)
+        assert blocks is not None
+        _check(
+            vrange.footprint_bytes() == len(alloc.committed_pages()) * page,
+            "footprint equals committed pages",
+            result,
+        )
+        result.peak_footprint = vrange.footprint_bytes()
+        _write_and_check(geometry, vrange, blocks, result)
+        alloc.free(blocks)
+        result.footprint_after_free = vrange.footprint_bytes()
+        _check(
+            result.footprint_after_free == null_bytes,
+            "pages released after free (only the null block's remain)",
+            result,
+        )
+        foreign_pages = policy.available_bytes() // page - (len(touched) - null_bytes // page)
+        foreign_pages += 1
+        result.foreign_pages = foreign_pages
+        _check(policy.try_admit(foreign_pages * page), "foreign allocation admitted", result)
+        foreign = backend.reserve(foreign_pages * page)
+        try:
+            foreign.commit(range(foreign_pages))
+            filled = foreign.as_tensor().fill_(0x5A)
+            _wait_for(filled)  # the fill must finish before the close unmaps its pages
+            del filled
+            _check(
+                foreign.footprint_bytes() == foreign_pages * page,
+                "foreign allocation is real memory",
+                result,
+            )
+            _check(not alloc.can_allocate(BLOCKS), "capacity query sees the pressure", result)
+            refused = alloc.allocate(BLOCKS)
+            result.rejected_under_pressure = refused is None
+            _check(refused is None, "600 blocks rejected under pressure", result)
+            _check(vrange.footprint_bytes() == null_bytes, "rejection left no trace", result)
+        finally:
+            foreign.close()
+            policy.release(foreign_pages * page)
+        _check(alloc.can_allocate(BLOCKS), "capacity is back after the foreign free", result)
+        again = alloc.allocate(BLOCKS)
+        result.reallocated = again is not None
+        _check(again is not None, "600 blocks allocated again", result)
+        assert again is not None
+        _write_and_check(geometry, vrange, again, result)
+        alloc.free(again)
+        _check(vrange.footprint_bytes() == null_bytes, "released again", result)
+    finally:
+        alloc.close()
+    _check(policy.admitted_bytes == 0, "budget fully returned", result)
 
 
 def make_backend(name: str, page_size: int | None) -> VmmBackend:
@@ -280,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         backend = make_backend(args.backend, args.page_size)
-    except BackendUnavailable as exc:
+    except (VmmError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results = [run_case(backend, case) for case in CASES]

@@ -16,6 +16,7 @@ from elastickv.vmm.base import (
 from elastickv.vmm.errors import (
     BackendUnavailable,
     CommitError,
+    DeviceFault,
     OutOfPhysicalMemory,
     PageIndexError,
     PageSizeError,
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_PAGE_SIZE",
     "BackendUnavailable",
     "CommitError",
+    "DeviceFault",
     "HostBackend",
     "HostPool",
     "HostRange",

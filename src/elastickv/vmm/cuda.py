@@ -18,11 +18,24 @@ Why this shape:
 
 Strictness: uncommitted pages are unmapped, never backed by a shared zero page, so the backend is
 strict by construction (``strict=False`` is refused). A stray kernel access to an uncommitted page
-is an illegal-address fault, which on CUDA also poisons the process's context.
+is an illegal-address fault, which on CUDA also poisons the process's context: later driver calls
+fail with that sticky error and surface as :class:`DeviceFault`, never as a plain commit error.
+
+Guarantees (docs/cuda.md states them for users):
+
+* Zeroing: every newly committed page reads as zeros (``cuMemsetD8Async`` + a stream sync),
+  pooled handles included, like the host backend; the driver itself does not zero memory.
+* Synchronisation: before any unmap (release, close, collection) and before the address range is
+  freed, the backend waits for the context (or the caller's ``sync_stream``), so kernels queued
+  on the range finish before their memory goes away.
+* Interrupts: a commit or release stopped by any exception (``KeyboardInterrupt`` too) undoes
+  its partial work before the exception propagates, so bookkeeping and driver agree.
+* Peers: access is granted to the owning device only; other GPUs cannot read the range.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING
 
@@ -31,6 +44,7 @@ from elastickv.vmm.cuda_driver import CudaDriver, CudaDriverError, DriverApi
 from elastickv.vmm.errors import (
     BackendUnavailable,
     CommitError,
+    DeviceFault,
     OutOfPhysicalMemory,
     ReleaseError,
     ReservationError,
@@ -47,8 +61,21 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _commit_error(exc: CudaDriverError, what: str) -> CommitError:
-    """OutOfPhysicalMemory for CUDA_ERROR_OUT_OF_MEMORY, CommitError for anything else."""
+def _device_fault(exc: CudaDriverError, what: str) -> DeviceFault:
+    """A sticky fault: say what failed, why that usually happens and that only a restart helps."""
+    return DeviceFault(
+        f"{what} failed: {exc}; the CUDA context is lost after an earlier fault (most often a "
+        "kernel touched an uncommitted page of a strict range, or a page released while a "
+        "kernel still used it); no later call can succeed, restart the process and find the "
+        "kernel with CUDA_LAUNCH_BLOCKING=1 or compute-sanitizer"
+    )
+
+
+def _commit_error(exc: CudaDriverError, what: str) -> VmmError:
+    """DeviceFault for a sticky fault, OutOfPhysicalMemory for CUDA_ERROR_OUT_OF_MEMORY,
+    CommitError for anything else."""
+    if exc.context_lost:
+        return _device_fault(exc, what)
     if exc.out_of_memory:
         return OutOfPhysicalMemory(
             f"no device memory for {what}: {exc}; free blocks, trim handle pools or lower "
@@ -93,6 +120,9 @@ class HandlePool:
             error = _commit_error(exc, f"creating a {_mib(self._page_size)} physical page")
             self.restock(handles, error)
             raise error from exc
+        except BaseException as exc:
+            self.restock(handles, exc)
+            raise
         self.reused += reused
         return handles
 
@@ -114,7 +144,7 @@ class HandlePool:
                 refused += 1
         return refused
 
-    def restock(self, handles: list[int], error: VmmError) -> None:
+    def restock(self, handles: list[int], error: BaseException) -> None:
         """:meth:`put` on an error path: a refused release becomes a note on ``error``."""
         if self.put(handles):
             error.add_note("some physical handles could not be released and stay pooled")
@@ -156,9 +186,10 @@ class _Reservation:
 
 
 def _free_address(driver: DriverApi, address: int, size: int) -> None:
-    """Finalizer: nothing useful can be done with an error here."""
+    """Finalizer: wait for queued kernels, then free; nothing useful can be done with an error."""
     try:
         with driver.current():
+            driver.synchronize(None)
             driver.address_free(address, size)
     except Exception:
         return
@@ -170,6 +201,7 @@ def _unmap_all(
     """Finalizer of a range that was never closed: return its device memory, ignore errors."""
     try:
         with driver.current():
+            driver.synchronize(None)
             for page, handle in list(handles.items()):
                 try:
                     driver.unmap(base + page * page_size, page_size)
@@ -188,8 +220,18 @@ class CudaRange(VirtualRange):
     backend_name = "cuda"
 
     def __init__(
-        self, driver: DriverApi, *, size_bytes: int, page_size: int, granularity: int, pool: int
+        self,
+        driver: DriverApi,
+        *,
+        size_bytes: int,
+        page_size: int,
+        granularity: int,
+        pool: int,
+        sync_stream: int | None = None,
     ) -> None:
+        # The driver takes a power-of-two alignment only, so a page size like 6 MiB reserves
+        # page_size - granularity bytes more at the driver's own (granularity) alignment and
+        # starts page 0 at the first page-size multiple inside.
         aligned = page_size & (page_size - 1) == 0
         span = size_bytes if aligned else size_bytes + page_size - granularity
         try:
@@ -207,6 +249,7 @@ class CudaRange(VirtualRange):
             strict=True,
         )
         self._driver = driver
+        self._stream = sync_stream
         self._reservation: _Reservation | None = _Reservation(driver, raw, span)
         self._pool = HandlePool(driver, page_size, pool)
         self._handles: dict[int, int] = {}
@@ -290,16 +333,30 @@ class CudaRange(VirtualRange):
                     mapped += 1
                 self.set_access_calls += 1
                 self._driver.set_access(self._address(first), count * size)
+                self._driver.zero(self._address(first), count * size, self._stream)
             except CudaDriverError as exc:
                 error = _commit_error(exc, f"mapping {what}")
                 self._undo_maps(first, handles[:mapped], error)
                 self._pool.restock(handles[mapped:], error)
                 raise error from exc
+            except BaseException as exc:
+                # Interrupted (KeyboardInterrupt...): the map in flight may or may not have
+                # happened, so its page is unmapped on trial too.
+                in_flight = handles[mapped : mapped + 1]
+                self._undo_maps(first, handles[:mapped], exc, maybe=in_flight)
+                self._pool.restock(handles[mapped + len(in_flight) :], exc)
+                raise
         for offset, handle in enumerate(handles):
             self._handles[first + offset] = handle
 
-    def _undo_maps(self, first: int, handles: list[int], error: VmmError) -> None:
-        """Unmap the pages of a failed commit and pool their handles."""
+    def _undo_maps(
+        self, first: int, handles: list[int], error: BaseException, maybe: list[int] | None = None
+    ) -> None:
+        """Unmap the pages of a failed commit and pool their handles.
+
+        ``maybe`` holds the handle of a map that was interrupted: unmapping its page fails if
+        the map never happened, and either way the handle is free again.
+        """
         back: list[int] = []
         for offset, handle in enumerate(handles):
             try:
@@ -309,33 +366,55 @@ class CudaRange(VirtualRange):
                 error.add_note(f"page {first + offset} could not be unmapped again: {exc}")
                 continue
             back.append(handle)
+        for handle in maybe or []:
+            with contextlib.suppress(CudaDriverError):  # fails if the map never happened
+                self._driver.unmap(self._address(first + len(handles)), self.page_size)
+            back.append(handle)
         self._pool.restock(back, error)
 
     def _release_run(self, first: int, count: int) -> None:
         size = self.page_size
+        pages = f"pages {first}..{first + count - 1}"
         done = 0
         with self._driver.current():
+            try:
+                self._driver.synchronize(self._stream)
+            except CudaDriverError as exc:
+                error = _release_error(exc, f"waiting for queued work before unmapping {pages}")
+                raise error from exc
             try:
                 for page in range(first, first + count):
                     self._driver.unmap(self._address(page), size)
                     done += 1
             except CudaDriverError as exc:
-                error = ReleaseError(
-                    f"unmapping page {first + done} failed: {exc}; pages {first}.."
-                    f"{first + count - 1} stay committed, retry the release"
-                )
+                error = _release_error(exc, f"unmapping page {first + done}")
                 self._restore(first, done, error)
                 raise error from exc
+            except BaseException as exc:
+                self._restore(first, done, exc, interrupted=done < count)
+                raise
             handles = [self._handles.pop(page) for page in range(first, first + count)]
             self._pool.put(handles)
 
-    def _restore(self, first: int, count: int, error: VmmError) -> None:
-        """Map back the pages a failed release already unmapped, so the run stays committed."""
-        if not count:
+    def _restore(
+        self, first: int, count: int, error: BaseException, *, interrupted: bool = False
+    ) -> None:
+        """Map back the pages a failed release already unmapped, so the run stays committed.
+
+        ``interrupted``: the unmap of page ``first + count`` was in flight; it is mapped again
+        if it went, and left alone if it did not (the map then fails, as the page is mapped).
+        """
+        if not count and not interrupted:
             return
         try:
             for page in range(first, first + count):
                 self._driver.map(self._address(page), self.page_size, self._handles[page])
+            if interrupted:
+                page = first + count
+                # Fails if the interrupted unmap never happened: the page is still mapped.
+                with contextlib.suppress(CudaDriverError):
+                    self._driver.map(self._address(page), self.page_size, self._handles[page])
+                count += 1
             self._driver.set_access(self._address(first), count * self.page_size)
         except CudaDriverError as exc:
             error.add_note(f"re-mapping pages {first}..{first + count - 1} failed too: {exc}")
@@ -344,6 +423,10 @@ class CudaRange(VirtualRange):
         self._finalizer.detach()
         errors: list[CudaDriverError] = []
         with self._driver.current():
+            try:
+                self._driver.synchronize(self._stream)
+            except CudaDriverError as exc:
+                errors.append(exc)
             leftovers = {**self._handles, **self._stuck}
             self._handles.clear()
             self._stuck.clear()
@@ -356,16 +439,26 @@ class CudaRange(VirtualRange):
             errors.extend(self._pool.drain())
         self._reservation = None
         if errors:
-            raise ReleaseError(
-                f"closing the CUDA range left {len(errors)} handle(s) unreleased: {errors[0]}"
-            )
+            what = f"closing the CUDA range left {len(errors)} handle(s) unreleased"
+            if any(e.context_lost for e in errors):
+                raise _device_fault(next(e for e in errors if e.context_lost), what)
+            raise ReleaseError(f"{what}: {errors[0]}")
+
+
+def _release_error(exc: CudaDriverError, what: str) -> VmmError:
+    """DeviceFault for a sticky fault, else a ReleaseError that says the run stays committed."""
+    if exc.context_lost:
+        return _device_fault(exc, what)
+    return ReleaseError(f"{what} failed: {exc}; the pages stay committed, retry the release")
 
 
 class CudaBackend(VmmBackend):
     """CUDA VMM backend on one device (always strict: see the module docstring).
 
     ``handle_pool_size`` bounds the idle physical handles each range keeps for reuse
-    (0 disables pooling). ``driver`` replaces the real driver (tests use a fake).
+    (0 disables pooling). ``sync_stream`` (a ``CUstream`` address) is the stream the backend
+    waits on before unmapping and zeroes new pages on; ``None`` waits for the whole context and
+    zeroes on the legacy default stream. ``driver`` replaces the real driver (tests use a fake).
     """
 
     name = "cuda"
@@ -378,6 +471,7 @@ class CudaBackend(VmmBackend):
         *,
         strict: bool = True,
         handle_pool_size: int = DEFAULT_HANDLE_POOL_SIZE,
+        sync_stream: int | None = None,
         driver: DriverApi | None = None,
     ) -> None:
         if not strict:
@@ -400,6 +494,7 @@ class CudaBackend(VmmBackend):
             ) from exc
         super().__init__(page_size=page_size, granularity=granularity, strict=True)
         self._handle_pool_size = handle_pool_size
+        self._sync_stream = sync_stream
 
     @staticmethod
     def is_available(device: int = 0) -> bool:
@@ -438,4 +533,5 @@ class CudaBackend(VmmBackend):
             page_size=self.page_size,
             granularity=self.granularity,
             pool=self._handle_pool_size,
+            sync_stream=self._sync_stream,
         )

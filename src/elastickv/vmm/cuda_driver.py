@@ -21,6 +21,12 @@ from elastickv.vmm.errors import BackendUnavailable, VmmError
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+
+# Sticky errors: after one of these the context is unusable and every later call fails with it
+# (illegal address, launch timeout, hardware stack error, illegal instruction, misaligned
+# address, invalid address space, invalid PC, launch failed, uncorrectable ECC).
+STICKY_ERRORS = frozenset({700, 702, 714, 715, 716, 717, 718, 719, 214})
 
 
 class CudaDriverError(VmmError):
@@ -39,6 +45,11 @@ class CudaDriverError(VmmError):
     @property
     def out_of_memory(self) -> bool:
         return self.code == CUDA_ERROR_OUT_OF_MEMORY
+
+    @property
+    def context_lost(self) -> bool:
+        """A sticky fault: the context is poisoned and no later call can succeed."""
+        return self.code in STICKY_ERRORS
 
 
 class DriverApi(Protocol):
@@ -75,6 +86,17 @@ class DriverApi(Protocol):
         """``(free, total)`` bytes of device memory, as the driver reports them."""
         ...
 
+    def synchronize(self, stream: int | None) -> None:
+        """Wait for the work queued on ``stream`` (``None``: on the whole context)."""
+        ...
+
+    def zero(self, address: int, size: int, stream: int | None) -> None:
+        """Fill ``size`` mapped bytes with zeros and wait until that is done.
+
+        Queued on ``stream`` (``None``: the legacy default stream).
+        """
+        ...
+
 
 def check(module: Any, call: str, result: tuple[Any, ...]) -> Any:
     """Return the value(s) after the result code of a ``cuda.bindings`` call, or raise.
@@ -96,6 +118,22 @@ def error_from(module: Any, call: str, code: Any) -> CudaDriverError:
     name = _describe(module, "cuGetErrorName", code) or fallback
     text = _describe(module, "cuGetErrorString", code) or "no description from the driver"
     return CudaDriverError(call, int(code), name, text)
+
+
+def native_handle(obj: Any) -> int:
+    """The address behind a driver handle object (``CUcontext``, ``CUstream``...).
+
+    ``int(obj)`` is deprecated for handle objects since cuda-bindings 12.9.1 / 13.0 in favour of
+    ``cuda.bindings.utils.get_cuda_native_handle``, which older releases (12.8) do not have.
+    """
+    try:
+        from cuda.bindings.utils import get_cuda_native_handle
+    except ImportError:
+        return int(obj)
+    try:
+        return int(get_cuda_native_handle(obj))
+    except TypeError:
+        return int(obj)
 
 
 def _describe(module: Any, function: str, code: Any) -> str | None:
@@ -147,11 +185,25 @@ class CudaDriver:
         self._device = device
         try:
             self._cu_device = self._call("cuDeviceGet", module.cuDeviceGet(device))
+            vmm = module.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+            supported = self._call(
+                "cuDeviceGetAttribute", module.cuDeviceGetAttribute(vmm, self._cu_device)
+            )
+        except CudaDriverError as exc:
+            raise BackendUnavailable(f"cannot use CUDA device {device}: {exc}") from exc
+        if not int(supported):
+            raise BackendUnavailable(
+                f"CUDA device {device} does not support virtual memory management "
+                "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0; e.g. an old GPU, "
+                "some vGPU/MIG setups or WSL); use the host backend or another GPU"
+            )
+        try:
             self._context = self._call(
                 "cuDevicePrimaryCtxRetain", module.cuDevicePrimaryCtxRetain(self._cu_device)
             )
         except CudaDriverError as exc:
             raise BackendUnavailable(f"cannot use CUDA device {device}: {exc}") from exc
+        self._context_id = native_handle(self._context)
         self._closer = weakref.finalize(self, _release_primary, module, self._cu_device)
         self._closer.atexit = False
         self._prop = module.CUmemAllocationProp()
@@ -172,7 +224,7 @@ class CudaDriver:
     def current(self) -> Iterator[None]:
         cu = self._cu
         active = self._call("cuCtxGetCurrent", cu.cuCtxGetCurrent())
-        if active is not None and int(active) == int(self._context):
+        if active is not None and native_handle(active) == self._context_id:
             yield
             return
         self._call("cuCtxPushCurrent", cu.cuCtxPushCurrent(self._context))
@@ -228,6 +280,20 @@ class CudaDriver:
     def mem_get_info(self) -> tuple[int, int]:
         free, total = self._call("cuMemGetInfo", self._cu.cuMemGetInfo())
         return int(free), int(total)
+
+    def synchronize(self, stream: int | None) -> None:
+        cu = self._cu
+        if stream is None:
+            self._call("cuCtxSynchronize", cu.cuCtxSynchronize())
+        else:
+            self._call("cuStreamSynchronize", cu.cuStreamSynchronize(cu.CUstream(stream)))
+
+    def zero(self, address: int, size: int, stream: int | None) -> None:
+        cu = self._cu
+        handle = cu.CUstream(0 if stream is None else stream)
+        result = cu.cuMemsetD8Async(cu.CUdeviceptr(address), 0, size, handle)
+        self._call("cuMemsetD8Async", result)
+        self._call("cuStreamSynchronize", cu.cuStreamSynchronize(handle))
 
     def close(self) -> None:
         """Release the primary context (also done when this object is collected)."""

@@ -46,6 +46,15 @@ class ReleaseError(VmmError):
     """Returning pages to the system failed; the pages that failed are still committed."""
 
 
+class DeviceFault(VmmError):
+    """The device context is lost after an illegal access or another sticky fault.
+
+    On CUDA such a fault (e.g. a kernel touching an uncommitted page of a strict range) poisons
+    the process's context: every later driver call fails with the same error, so no commit or
+    release can succeed again. Only a new process recovers.
+    """
+
+
 class RangeClosedError(VmmError):
     """The range (or pool) was closed; it cannot be used any more."""
 
