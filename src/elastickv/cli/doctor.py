@@ -16,6 +16,7 @@ from rich.markup import escape
 from elastickv.cli.diagnose import diagnose
 from elastickv.cli.errors import UserError
 from elastickv.cli.ledger_view import add_device_argument, device_path, user_errors
+from elastickv.cli.tables import output_console
 from elastickv.control import Ledger, LedgerError, reset_ledger
 from elastickv.units import format_bytes
 
@@ -77,7 +78,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        render_doctor(report, Console(highlight=False))
+        render_doctor(report, output_console(highlight=False))
     return 0 if report["ledger"]["healthy"] else 1
 
 
