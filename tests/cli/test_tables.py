@@ -64,7 +64,7 @@ def test_list_and_top_through_a_pipe_show_the_whole_name(
     rows = {line.split()[0]: line.split() for line in listed.splitlines()[2:]}
     assert rows[LONG_NAME][1:6] == [str(os.getpid()), "8.0", "MiB", "8.0", "MiB"]
     assert any(line.split()[0] == LONG_NAME for line in top.splitlines() if line.strip())
-    assert any(line.split()[:2] == ["NAME", "USED"] for line in top.splitlines())
+    assert any(line.split() == ["NAME", "USED", "/", "LIMIT", "STATE"] for line in top.splitlines())
 
 
 def test_a_narrow_terminal_keeps_names_and_figures_whole(ledger: Ledger) -> None:

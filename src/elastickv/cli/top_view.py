@@ -59,12 +59,12 @@ def _instance_state(info: InstanceInfo, served: str | None = None) -> Text:
 
 
 # Cells the text columns take besides the name: figures, percentage, state, gaps.
-TEXT_COLUMNS = 56
+TEXT_COLUMNS = 52
 
 
 def bar_width(columns: int, name_width: int = 14) -> int:
     """Bars take what the names (shown whole) and the text columns leave of the width."""
-    return max(8, min(48, columns - name_width - TEXT_COLUMNS))
+    return max(4, min(48, columns - name_width - TEXT_COLUMNS))
 
 
 def render_frame(
@@ -98,9 +98,10 @@ def render_frame(
         f"instance{'s' if usage.instances != 1 else ''}",
     )
     table = Table(box=None, pad_edge=False)
+    # The header sits over the figures, so a short bar does not widen its column.
     table.add_column("NAME", no_wrap=True)
-    table.add_column("USED / LIMIT", no_wrap=True)
-    table.add_column("", justify="right", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("USED / LIMIT", justify="right", no_wrap=True)
     table.add_column("", justify="right", no_wrap=True)
     table.add_column("STATE")
     for info in snap.instances:
