@@ -283,10 +283,11 @@ def main() -> int:
 
 
 def print_tables(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from elastickv.cli.tables import output_console, print_table
+
+    console = output_console()
     if report["baseline_note"]:
         console.print(f"[yellow]{report['baseline_note']}[/]")
     hot = Table(title="hot path (pages committed): alloc+free, µs per pair")
@@ -300,7 +301,7 @@ def print_tables(report: dict[str, Any]) -> None:
             "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
             "-" if r["meets_target"] is None else ("yes" if r["meets_target"] else "no"),
         )
-    console.print(hot)
+    print_table(console, hot)
     query = Table(title="capacity query, µs per call")
     for column in ("query", "ours", "vLLM get_num_free_blocks", "≤ 2 µs"):
         query.add_column(column)
@@ -311,7 +312,7 @@ def print_tables(report: dict[str, Any]) -> None:
             "-" if r["vllm_us_per_call"] is None else f"{r['vllm_us_per_call']:.3f}",
             "yes" if r["meets_target"] else "no",
         )
-    console.print(query)
+    print_table(console, query)
     cold = Table(title="cold path (commit + release included)")
     for column in ("blocks/request", "pages/request", "µs per pair", "µs per page"):
         cold.add_column(column)
@@ -322,7 +323,7 @@ def print_tables(report: dict[str, Any]) -> None:
             f"{r['us_per_pair']:.1f}",
             f"{r['us_per_page']:.1f}",
         )
-    console.print(cold)
+    print_table(console, cold)
 
 
 if __name__ == "__main__":

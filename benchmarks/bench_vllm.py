@@ -537,10 +537,11 @@ def main() -> int:
 
 
 def print_tables(report: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from elastickv.cli.tables import output_console, print_table
+
+    console = output_console()
     work = report["workload"]
     title = (
         f"vLLM {report['vllm']} OpenAI server, {report['model']}: {work['requests']} requests x "
@@ -566,7 +567,7 @@ def print_tables(report: dict[str, Any]) -> None:
             f"{ratios[ratio]:.3f}{mark}",
             target,
         )
-    console.print(table)
+    print_table(console, table)
     for side in ("native", "elastic"):
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in median[side]["cpu_s_per_pass"].items())
         console.print(f"{side} CPU seconds per timed pass: {cpu}")

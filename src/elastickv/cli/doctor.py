@@ -16,6 +16,7 @@ from rich.markup import escape
 from elastickv.cli.diagnose import diagnose
 from elastickv.cli.errors import UserError
 from elastickv.cli.ledger_view import add_device_argument, device_path, user_errors
+from elastickv.cli.tables import output_console
 from elastickv.control import Ledger, LedgerError, reset_ledger
 from elastickv.units import format_bytes
 
@@ -77,7 +78,7 @@ def run_doctor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
     else:
-        render_doctor(report, Console(highlight=False))
+        render_doctor(report, output_console(highlight=False))
     return 0 if report["ledger"]["healthy"] else 1
 
 
@@ -141,10 +142,27 @@ def render_doctor(report: dict[str, Any], console: Console) -> None:
     console.print(f"ledger (device {report['ledger']['device']})")
     for line in _ledger_lines(report["ledger"]):
         console.print(line)
-    vllm = report["vllm"]
-    if vllm["installed"]:
-        contract = vllm["contract"]
-        verdict = f"the {contract} contract" if contract != "unsupported" else "[red]unsupported[/]"
-        console.print(f"vllm\n  {vllm['distribution']} {vllm['version']}: {verdict}")
-    else:
-        console.print("vllm\n  not installed")
+    console.print("vllm")
+    for line in vllm_lines(report["vllm"]):
+        console.print(line)
+
+
+def vllm_lines(vllm: dict[str, Any]) -> list[str]:
+    if not vllm["installed"]:
+        return ["  [yellow]not installed[/]", f"  fix    {escape(vllm['hint'])}"]
+    contract = vllm["contract"]
+    verdict = f"the {contract} contract" if contract != "unsupported" else "[red]unsupported[/]"
+    where = "this Python" if vllm["source"] == "this interpreter" else "project environment"
+    lines = [
+        f"  {vllm['distribution']} {vllm['version']}: {verdict}",
+        f"  python {escape(vllm['python'])} ({where})",
+        f"  plugin {'[green]installed[/]' if vllm['plugin'] else '[red]not installed[/]'}",
+    ]
+    for env in vllm["environments"]:
+        if env["installed"] and env["python"] != vllm["python"]:
+            lines.append(
+                f"  also   {env['distribution']} {env['version']} in {escape(env['python'])}"
+            )
+    if vllm["hint"]:
+        lines.append(f"  fix    {escape(vllm['hint'])}")
+    return lines

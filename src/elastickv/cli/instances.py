@@ -21,6 +21,7 @@ from elastickv.cli.ledger_view import (
     snapshot_dict,
     user_errors,
 )
+from elastickv.cli.tables import output_console, print_table
 from elastickv.control import DeviceUsage, LedgerSnapshot
 from elastickv.serve.state_file import read_states
 from elastickv.units import format_bytes
@@ -53,8 +54,7 @@ def run_list(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"ledger": path, "exists": True, **snapshot_dict(snap), "serve": served}))
     else:
-        console = Console()
-        render_list(snap, console, served)
+        render_list(snap, output_console(), served)
     return 0
 
 
@@ -98,7 +98,7 @@ def render_list(
             format_bytes(info.reserved_bytes),
             state,
         )
-    console.print(table)
+    print_table(console, table)
     for doc in served:
         render_served(doc, console)
 
@@ -124,4 +124,4 @@ def render_served(doc: dict[str, Any], console: Console) -> None:
             str(m["in_flight"]),
             str(m["waiting"]),
         )
-    console.print(table)
+    print_table(console, table)

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from elastickv.cli.errors import UserError
+from elastickv.cli.tables import output_console, print_table
 from elastickv.geometry import (
     KV_CACHE_DTYPES,
     LAYOUT_NAMES,
@@ -128,7 +129,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        render_report(report, Console())
+        render_report(report, output_console())
     return 0
 
 
@@ -151,7 +152,7 @@ def render_report(report: LayoutReport, console: Console) -> None:
             str(view.storage_offset),
             str(view.dtype).removeprefix("torch."),
         )
-    console.print(views)
+    print_table(console, views)
     facts = Table(title="Per-block cost", title_justify="left", show_header=False)
     facts.add_column("fact")
     facts.add_column("value", justify="right")
@@ -170,6 +171,6 @@ def render_report(report: LayoutReport, console: Console) -> None:
     ]
     for name, value in rows:
         facts.add_row(name, value)
-    console.print(facts)
+    print_table(console, facts)
     for warning in report.warnings:
         console.print(f"[yellow]warning:[/] {warning}")

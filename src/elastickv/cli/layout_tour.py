@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from elastickv.cli.tables import output_console, print_table
 from elastickv.geometry import (
     AttentionKind,
     GeometryError,
@@ -71,7 +72,7 @@ def register(layout_commands: Any) -> None:
 
 
 def run_tour(args: argparse.Namespace) -> int:
-    console = Console()
+    console = output_console()
     shapes = [LLAMA3_8B, DEEPSEEK_V2_LITE, *_tiny_model_shapes(args.model_dir, console)]
     failures = 0
     for shape in shapes:
@@ -195,7 +196,7 @@ def _render(console: Console, shape: ModelShape, rows: list[dict[str, Any]]) -> 
             str(row["pages_per_block"]),
             "[green]ok[/]" if row["ok"] else "[red]FAIL[/]",
         )
-    console.print(table)
+    print_table(console, table)
     seen: set[str] = set()
     for row in rows:
         for warning in row.get("warnings", []):

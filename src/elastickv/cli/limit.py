@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from elastickv.cli.errors import UserError
@@ -16,6 +17,8 @@ from elastickv.cli.ledger_view import (
 )
 from elastickv.control import parse_limit
 from elastickv.units import format_bytes
+
+NEGATIVE_VALUE = re.compile(r"^-\.?\d")
 
 
 def register(commands: Any) -> None:
@@ -36,6 +39,10 @@ def register(commands: Any) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_device_argument(p)
+    # argparse takes "-1G" for an unknown option and then reports the limit as missing; read
+    # anything that starts like a negative number as the value, so parse_limit can say why
+    # it is refused.
+    p._negative_number_matcher = NEGATIVE_VALUE
     p.set_defaults(run=run_limit)
 
 

@@ -42,11 +42,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args_in = list(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed as ``main`` parses it (only the chosen command's module is loaded);
+    argparse exits with status 2 on a bad command line. The docs' command lines are checked
+    with it."""
+    args_in = list(argv)
     chosen = next((a for a in args_in if not a.startswith("-")), None)
-    parser = build_parser(chosen if chosen in COMMANDS else None)
-    args = parser.parse_args(args_in)
+    return build_parser(chosen if chosen in COMMANDS else None).parse_args(args_in)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         code: int = args.run(args)
     except UserError as err:

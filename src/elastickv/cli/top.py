@@ -18,7 +18,7 @@ import tty
 from types import TracebackType
 from typing import IO, Any, Self
 
-from rich.console import Console, RenderableType
+from rich.console import RenderableType
 from rich.live import Live
 
 from elastickv.cli.errors import UserError
@@ -28,6 +28,7 @@ from elastickv.cli.ledger_view import (
     ledger_exists,
     no_ledger_message,
 )
+from elastickv.cli.tables import output_console
 from elastickv.cli.top_view import render_frame
 from elastickv.control import Ledger, LedgerError, LedgerSnapshot
 from elastickv.serve.state_file import model_states
@@ -134,7 +135,7 @@ class KeyReader:
 def run_top(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         raise UserError(f"--interval must be a positive number of seconds, got {args.interval}")
-    console = Console()
+    console = output_console()
     with LedgerSource(args.device) as source:
 
         def frame() -> RenderableType:
@@ -150,7 +151,7 @@ def run_top(args: argparse.Namespace) -> int:
             )
 
         if args.once:
-            console.print(frame())
+            console.print(frame(), crop=False)
             return 0
         live = Live(
             frame(),

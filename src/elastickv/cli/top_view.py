@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from elastickv.cli.ledger_view import limit_text
+from elastickv.cli.tables import fitted
 from elastickv.control import InstanceInfo, LedgerSnapshot
 from elastickv.units import format_bytes
 
@@ -57,9 +58,13 @@ def _instance_state(info: InstanceInfo, served: str | None = None) -> Text:
     return text
 
 
-def bar_width(columns: int) -> int:
-    """Bars take what the text columns leave of the terminal width."""
-    return max(8, min(48, columns - 70))
+# Cells the text columns take besides the name: figures, percentage, state, gaps.
+TEXT_COLUMNS = 52
+
+
+def bar_width(columns: int, name_width: int = 14) -> int:
+    """Bars take what the names (shown whole) and the text columns leave of the width."""
+    return max(4, min(48, columns - name_width - TEXT_COLUMNS))
 
 
 def render_frame(
@@ -83,7 +88,7 @@ def render_frame(
     )
     if snap is None:
         return Group(title, Text(problem or "no ledger", style="yellow"))
-    width = bar_width(columns)
+    width = bar_width(columns, max((len(i.name) for i in snap.instances), default=4))
     usage = snap.usage
     device_line = Text.assemble(
         ("DEVICE ", "bold"),
@@ -93,11 +98,12 @@ def render_frame(
         f"instance{'s' if usage.instances != 1 else ''}",
     )
     table = Table(box=None, pad_edge=False)
-    table.add_column("NAME", no_wrap=True, max_width=16, overflow="ellipsis")
-    table.add_column("USED / LIMIT", no_wrap=True)
+    # The header sits over the figures, so a short bar does not widen its column.
+    table.add_column("NAME", no_wrap=True)
+    table.add_column("", no_wrap=True)
+    table.add_column("USED / LIMIT", justify="right", no_wrap=True)
     table.add_column("", justify="right", no_wrap=True)
-    table.add_column("", justify="right", no_wrap=True)
-    table.add_column("STATE", no_wrap=True, overflow="ellipsis")
+    table.add_column("STATE")
     for info in snap.instances:
         table.add_row(
             info.name,
@@ -122,7 +128,9 @@ def render_frame(
         style="bright_black",
     )
     parts: list[RenderableType] = [title, device_line]
-    parts.append(table if snap.instances else Text("no instances registered", style="yellow"))
+    parts.append(
+        fitted(table) if snap.instances else Text("no instances registered", style="yellow")
+    )
     parts.append(legend)
     if problem:
         parts.append(Text(problem, style="red"))

@@ -67,7 +67,8 @@ class StaleRevision(LedgerError):
         self.current = current
         super().__init__(
             f"limit of instance {name!r} is at revision {current}, not {expected}: someone changed "
-            "it meanwhile; re-read it (list_instances) and retry with the current revision"
+            "it meanwhile; re-read it (`elastickv list`, in Python list_instances()) and retry "
+            "with the current revision"
         )
 
 

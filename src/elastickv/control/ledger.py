@@ -613,7 +613,7 @@ class Ledger:
             if not found:
                 raise UnknownInstance(
                     f"no live instance named {name!r} in {segment.path}; "
-                    "list_instances() shows the registered names"
+                    "`elastickv list` (in Python: list_instances()) shows the registered names"
                 )
             slot, record = found[0]
             if expected_revision is not None and expected_revision != record.limit_revision:

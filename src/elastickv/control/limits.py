@@ -15,6 +15,11 @@ def parse_limit(text: str, budget_bytes: int) -> int | None:
     """Bytes for ``text``; percentages are of ``budget_bytes`` (rounded down); None = no limit."""
     if text.strip().lower() in _UNLIMITED:
         return None
+    if text.strip().startswith("-"):
+        raise ValueError(
+            f"invalid limit {text!r}: a limit cannot be negative; use a size (512M, 2G, 2GiB), "
+            "a percentage of the device budget (30%), or 'none'"
+        )
     match = _PERCENT.match(text)
     if match:
         percent = float(match.group(1))

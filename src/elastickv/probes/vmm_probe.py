@@ -257,8 +257,9 @@ def make_backend(name: str, page_size: int | None) -> VmmBackend:
 
 
 def _print_table(results: list[ProbeResult]) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from elastickv.cli.tables import output_console, print_table
 
     table = Table(title=f"VMM probes ({results[0].backend if results else '?'} backend)")
     for column in (
@@ -290,7 +291,7 @@ def _print_table(results: list[ProbeResult]) -> None:
             f"{r.seconds:.2f}",
             "[green]PASS[/]" if r.ok else f"[red]FAIL[/] {r.error}",
         )
-    Console().print(table)
+    print_table(output_console(), table)
 
 
 def main(argv: list[str] | None = None) -> int:

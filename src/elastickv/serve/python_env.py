@@ -22,7 +22,10 @@ class EnginePythonError(RuntimeError):
     """No usable interpreter for the engines; the message says what to set."""
 
 
-def _candidates() -> list[Path]:
+def project_vllm_pythons() -> list[Path]:
+    """The interpreters of the project's cached vLLM environments, newest series first
+    (``$VLLM_VENV_ROOT``, then ``.venvs/`` above the working directory or this package);
+    not checked."""
     roots: list[Path] = []
     env_root = os.environ.get(VENV_ROOT_VAR, "").strip()
     if env_root:
@@ -72,7 +75,7 @@ def find_engine_python(*explicit: str | None) -> str:
             return choice
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    for candidate in _candidates():
+    for candidate in project_vllm_pythons():
         try:
             check_python(str(candidate))
         except EnginePythonError:

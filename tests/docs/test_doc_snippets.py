@@ -1,0 +1,128 @@
+"""Every snippet in README.md and docs/ works: python blocks run, shell blocks name commands
+that exist (``elastickv`` command lines parse, ``make`` targets and ``benchmarks/`` scripts
+exist). Each case is named by its file and line. See doc_snippets.py for the markers."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+from doc_snippets import (
+    REPO,
+    SHELL_LANGUAGES,
+    Snippet,
+    all_snippets,
+    command_lines,
+    make_targets,
+    python_snippets,
+    run_python,
+    simple_commands,
+)
+
+from elastickv.cli.main import parse_args
+
+SNIPPETS = all_snippets()
+RUNNABLE = python_snippets(None)
+SHELL = [s for s in SNIPPETS if s.language in SHELL_LANGUAGES]
+MARKERS = ("vllm", "skip")
+
+
+def unpublished(word: str) -> bool:
+    return re.fullmatch(r"elastickv(\[[\w,]+\])?", word) is not None
+
+
+def ids(snippets: list[Snippet]) -> list[str]:
+    return [s.id for s in snippets]
+
+
+def test_the_docs_have_snippets_of_every_kind() -> None:
+    assert len(RUNNABLE) >= 4 and len(SHELL) >= 8
+    assert {s.path.name for s in RUNNABLE} >= {"README.md", "control.md"}
+
+
+def test_every_marker_is_known_and_every_skip_has_a_reason() -> None:
+    marked = [s for s in SNIPPETS if s.marker is not None]
+    unknown = [s.id for s in marked if s.marker not in MARKERS]
+    assert not unknown, f"unknown snippet markers (use one of {MARKERS}): {unknown}"
+    no_reason = [s.id for s in marked if s.marker == "skip" and not s.reason]
+    assert not no_reason, f"<!-- snippet: skip, REASON --> needs a reason: {no_reason}"
+    assert all(s.language == "python" for s in marked), "markers apply to python blocks"
+    counts = {kind: sum(s.marker == kind for s in marked) for kind in MARKERS}
+    print(f"doc snippets: {len(RUNNABLE)} run here, {counts['vllm']} in tests/vllm, "
+          f"{counts['skip']} skipped")  # fmt: skip
+
+
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=ids(RUNNABLE))
+def test_python_snippet_runs(snippet: Snippet, tmp_path: Path) -> None:
+    result = run_python(snippet, tmp_path)
+    assert result.returncode == 0, f"{snippet.id} failed:\n{result.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("snippet", SHELL, ids=ids(SHELL))
+def test_shell_snippet_names_what_exists(snippet: Snippet) -> None:
+    targets = make_targets()
+    problems: list[str] = []
+    for line, command in command_lines(snippet):
+        for words in simple_commands(command):
+            where = f"{snippet.path.relative_to(REPO)}:{line}: {command}"
+            program = Path(words[0]).name
+            if program == "elastickv":
+                problems += [f"{where}: {e}" for e in _parse_errors(words[1:])]
+            elif program == "make":
+                problems += [
+                    f"{where}: no make target {t!r}" for t in words[1:] if t not in targets
+                ]
+            elif "pip" in (program, *words[1:3]) and "install" in words:
+                # elastickv is not on PyPI: install it from a clone or a built wheel.
+                problems += [f"{where}: {w} is not published" for w in words if unpublished(w)]
+            scripts = [w for w in words if w.startswith("benchmarks/") and w.endswith(".py")]
+            problems += [f"{where}: no {w}" for w in scripts if not (REPO / w).is_file()]
+    assert not problems, "\n".join(problems)
+
+
+def _parse_errors(argv: list[str]) -> list[str]:
+    """What argparse says about ``elastickv ARGV`` (nothing when it parses)."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
+            parse_args(argv)
+    except SystemExit as exit_:
+        if exit_.code not in (0, None):
+            return [stderr.getvalue().strip().splitlines()[-1]]
+    return []
+
+
+@pytest.mark.parametrize(
+    ("argv", "fine"),
+    [
+        (["list", "--json"], True),
+        (["limit", "NAME", "2G", "--revision", "1"], True),
+        (["limit", "NAME"], False),
+        (["top", "--bogus"], False),
+        (["nosuch"], False),
+    ],
+)
+def test_the_checker_tells_good_command_lines_from_bad(argv: list[str], fine: bool) -> None:
+    assert (_parse_errors(argv) == []) is fine
+
+
+def test_command_lines_are_split_like_a_shell() -> None:
+    block = Snippet(
+        path=REPO / "README.md",
+        line=1,
+        language="console",
+        text="$ A=1 elastickv list | grep x && make demo  # note\noutput\n$ elastickv top \\\n"
+        "   --once\n",
+    )
+    assert command_lines(block) == [
+        (2, "A=1 elastickv list | grep x && make demo  # note"),
+        (4, "elastickv top     --once"),
+    ]
+    assert unpublished("elastickv[cuda]") and not unpublished("./elastickv")
+    assert simple_commands(command_lines(block)[0][1]) == [
+        ["elastickv", "list"], ["grep", "x"], ["make", "demo"],
+    ]  # fmt: skip
+    assert {"demo", "test", "venv", "vllm-venvs", "clean"} <= make_targets()
