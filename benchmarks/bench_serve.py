@@ -59,6 +59,10 @@ RELEASE_AFTER_S = 5
 STOP_AFTER_S = 45
 IDLE_GAP_S = 60
 TARGET_P99, TARGET_MEAN = 2.0, 1.25
+# The static arm is memory-bound if it preempted, was seen with waiting requests, or its
+# requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
+# a longer wait means no KV room; the waiting gauge is only sampled once a second).
+QUEUED_MEAN_S = 0.02
 
 
 def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
@@ -177,6 +181,7 @@ def run_arm(mode: str, budget: int, work: Path, plan: dict[str, list[Any]]) -> d
                 "summary": per_model(results, MODELS),
                 "preemptions": monitor.preemptions,
                 "max_waiting": monitor.max_waiting,
+                "queue_s": monitor.queue_s,
                 "states": {m: sorted(s) for m, s in monitor.states.items()},
                 "memory_gib_s": memory_seconds(monitor.memory),
                 "peak_total_bytes": max((sum(s.values()) for _, s in monitor.memory), default=0),
@@ -191,7 +196,13 @@ def report(
     doc: dict[str, Any] = {"budget_bytes": budget, "models": list(MODELS), "workloads": {}}
     for name in names:
         s, e = static[name], elastic[name]
-        regime = sum(s["preemptions"].values()) > 0 or max(s["max_waiting"].values()) > 0
+        requests = max(1, s["summary"]["all"]["requests"])
+        queued_mean = sum(s["queue_s"].values()) / requests
+        regime = (
+            sum(s["preemptions"].values()) > 0
+            or max(s["max_waiting"].values()) > 0
+            or queued_mean >= QUEUED_MEAN_S
+        )
         rows = {}
         for model in [*MODELS, "all"]:
             ss, es = s["summary"][model], e["summary"][model]
@@ -207,8 +218,10 @@ def report(
             "memory_bound_in_static": regime,
             "static_preemptions": s["preemptions"],
             "static_max_waiting": s["max_waiting"],
+            "static_queue_s": s["queue_s"],
             "elastic_preemptions": e["preemptions"],
             "elastic_max_waiting": e["max_waiting"],
+            "elastic_queue_s": e["queue_s"],
             "elastic_states_seen": e["states"],
             "memory_gib_s": {"static": s["memory_gib_s"], "elastic": e["memory_gib_s"]},
             "peak_total_bytes": {"static": s["peak_total_bytes"], "elastic": e["peak_total_bytes"]},
@@ -250,13 +263,15 @@ def print_table(doc: dict[str, Any]) -> None:
             "memory-bound in the static arm"
             if w["memory_bound_in_static"]
             else (
-                "NOT memory-bound in the static arm (no preemption, no waiting): the comparison "
-                "shows no memory effect"
+                "NOT memory-bound in the static arm (no preemption, no waiting, short queues): "
+                "the comparison shows no memory effect"
             )
         )
         print(f"\n== {name}: {regime}")
         print(f"   static preemptions {w['static_preemptions']}")
         print(f"   static max waiting {w['static_max_waiting']}")
+        queued = {m: round(v, 2) for m, v in w["static_queue_s"].items()}
+        print(f"   static seconds queued in vLLM {queued}")
         print(f"   failed: static {w['failed']['static']}, elastic {w['failed']['elastic']}")
         header = (
             f"   {'model':16} {'TTFT mean s/e':>18} {'ratio':>6} {'TTFT p99 s/e':>18} "

@@ -1,6 +1,8 @@
 """Watch a running ``elastickv serve`` while load runs: each model's bytes and state from the
 router's ``/health`` (every ``interval`` s), and each engine's own vLLM counters (preemptions,
-waiting requests) from its ``/metrics`` (every fourth look)."""
+waiting requests, seconds requests spent queued) from its ``/metrics`` (every fourth look).
+The queue time is a counter, so it sees every wait, however short; the waiting gauge is only
+sampled."""
 
 from __future__ import annotations
 
@@ -30,7 +32,14 @@ def serve_ready(base: str) -> bool:
     return all(m["state"] in READY_STATES for m in models)
 
 
-_METRIC = re.compile(r"^(vllm:num_preemptions_total|vllm:num_requests_waiting)\{[^}]*\} (\S+)$")
+_METRIC = re.compile(
+    r"^(vllm:num_preemptions_total|vllm:num_requests_waiting|vllm:request_queue_time_seconds_sum)"
+    r"\{[^}]*\} (\S+)$"
+)
+_COUNTERS = {
+    "vllm:num_preemptions_total": "preemptions",
+    "vllm:request_queue_time_seconds_sum": "queue_s",
+}
 
 
 class Monitor:
@@ -42,7 +51,8 @@ class Monitor:
         self.states: dict[str, set[str]] = {m: set() for m in models}
         self.preemptions: dict[str, float] = dict.fromkeys(models, 0.0)
         self.max_waiting: dict[str, float] = dict.fromkeys(models, 0.0)
-        self._last: dict[tuple[str, int], float] = {}
+        self.queue_s: dict[str, float] = dict.fromkeys(models, 0.0)
+        self._last: dict[tuple[str, int, str], float] = {}
 
     async def run(self, session: aiohttp.ClientSession, start: float) -> None:
         """Until cancelled."""
@@ -77,7 +87,9 @@ class Monitor:
                     if match.group(1) == "vllm:num_requests_waiting":
                         self.max_waiting[name] = max(self.max_waiting.get(name, 0.0), value)
                     else:  # a counter per engine process: add what it grew since the last look
-                        key = (name, m["engine_pid"])
+                        counter = _COUNTERS[match.group(1)]
+                        key = (name, m["engine_pid"], counter)
                         grown = max(0.0, value - self._last.get(key, 0.0))
-                        self.preemptions[name] = self.preemptions.get(name, 0.0) + grown
+                        totals: dict[str, float] = getattr(self, counter)
+                        totals[name] = totals.get(name, 0.0) + grown
                         self._last[key] = value
