@@ -37,9 +37,12 @@ from elastickv.serve.engine import free_port, session_processes
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 
+# vLLM's CPU worker refuses to start unless the free host memory covers
+# --gpu-memory-utilization (0.92 by default) of it; half leaves room on a shared machine.
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "256", "--block-size", "32"]
+ENGINE_ARGS += ["--gpu-memory-utilization", "0.5"]
 # vLLM's own line (both series) and elastickv's start-up line: the KV blocks built.
-BLOCKS = (re.compile(r"GPU KV cache size: ([\d,]+) tokens"), re.compile(r"(\d+) KV blocks in"))
+BLOCKS = (re.compile(r"KV cache size: ([\d,]+) tokens"), re.compile(r"(\d+) KV blocks in"))
 
 
 def healthy(port: int) -> bool:

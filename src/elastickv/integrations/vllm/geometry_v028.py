@@ -112,7 +112,8 @@ def plan_from_config(
     if quant != "NONE" or slots not in (None, spec.num_kv_heads):
         raise ElasticKVStartupError(
             f"elastickv does not support KV quantization mode {quant} / {slots} head slots "
-            "with vLLM 0.28 yet; supported: NONE with one slot per KV head"
+            "with vLLM 0.28 yet (set by --kv-cache-dtype); supported: NONE with one slot per "
+            "KV head (--kv-cache-dtype auto)"
         )
     page = int(spec.page_size_bytes)
     if layer_bytes % page:

@@ -54,8 +54,9 @@ def geometry_from_config(
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     if quant not in _SUPPORTED_QUANT:
         raise ElasticKVStartupError(
-            f"elastickv does not support KV quantization mode {quant} with vLLM 0.32 yet; "
-            f"supported: {', '.join(_SUPPORTED_QUANT)}"
+            f"elastickv does not support KV quantization mode {quant} with vLLM 0.32 yet (set "
+            f"by --kv-cache-dtype); supported: {', '.join(_SUPPORTED_QUANT)} (--kv-cache-dtype "
+            "auto)"
         )
     try:
         geometry = KVCacheGeometry(
