@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
-from elastickv.serve.engine import free_port
+from elastickv.serve.engine import free_port, stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 
@@ -118,13 +117,7 @@ def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
             time.sleep(1)
         yield base
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc, timeout=90)
 
 
 async def drive(base: str, arrivals: list[Any]) -> tuple[list[Result], Monitor, float]:

@@ -21,7 +21,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import tempfile
 import time
@@ -33,7 +32,7 @@ from typing import Any
 import psutil
 
 from elastickv.models import ensure_tiny_model
-from elastickv.serve.engine import free_port, session_processes
+from elastickv.serve.engine import free_port, session_processes, stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 
@@ -94,13 +93,7 @@ def one_run(python: str, model: str, work: Path, capacity: str | None) -> dict[s
         ready_s = time.monotonic() - started
         rss, pss = memory_of(proc.pid)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_session(proc)
     text = log.read_text(errors="replace")
     tokens = BLOCKS[0].search(text)
     blocks = BLOCKS[1].search(text)

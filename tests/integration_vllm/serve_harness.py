@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +23,7 @@ from typing import Any
 
 from elastickv.control import open_ledger
 from elastickv.serve.engine import session_processes as engine_session_processes
+from elastickv.serve.engine import stop_session
 
 
 @dataclass
@@ -186,10 +185,4 @@ def serve_process(
             time.sleep(0.5)
         yield proc
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_session(proc)

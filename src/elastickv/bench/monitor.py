@@ -55,7 +55,9 @@ class Monitor:
         self._last: dict[tuple[str, int, str], float] = {}
 
     async def run(self, session: aiohttp.ClientSession, start: float) -> None:
-        """Until cancelled."""
+        """Until cancelled. The first look at the engines is the baseline: an engine's
+        counters are cumulative since it started, and an earlier workload's preemptions and
+        queue time are not this one's."""
         tick = 0
         while True:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -67,29 +69,38 @@ class Monitor:
                 for m in models:
                     self.states.setdefault(m["name"], set()).add(m["state"])
                 if tick % 4 == 0:
-                    await self._engines(session, models)
+                    await self._engines(session, models, baseline=tick == 0)
             tick += 1
             await asyncio.sleep(self.interval)
 
-    async def _engines(self, session: aiohttp.ClientSession, models: list[dict[str, Any]]) -> None:
+    async def _engines(
+        self, session: aiohttp.ClientSession, models: list[dict[str, Any]], *, baseline: bool
+    ) -> None:
         for m in models:
             if m["port"] is None:
                 continue
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
                 async with session.get(f"http://127.0.0.1:{m['port']}/metrics") as response:
                     text = await response.text()
-                for line in text.splitlines():
-                    match = _METRIC.match(line)
-                    if not match:
-                        continue
-                    value = float(match.group(2))
-                    name = m["name"]
-                    if match.group(1) == "vllm:num_requests_waiting":
-                        self.max_waiting[name] = max(self.max_waiting.get(name, 0.0), value)
-                    else:  # a counter per engine process: add what it grew since the last look
-                        counter = _COUNTERS[match.group(1)]
-                        key = (name, m["engine_pid"], counter)
-                        grown = max(0.0, value - self._last.get(key, 0.0))
-                        totals: dict[str, float] = getattr(self, counter)
-                        totals[name] = totals.get(name, 0.0) + grown
-                        self._last[key] = value
+                self.absorb(m["name"], m["engine_pid"], text, baseline=baseline)
+
+    def absorb(self, name: str, engine_pid: int, text: str, *, baseline: bool = False) -> None:
+        """Take one scrape of an engine's ``/metrics``: the waiting gauge's peak, and what
+        each counter grew since the last look at that engine process (a process seen for
+        the first time counts from 0, unless this look is the ``baseline``)."""
+        for line in text.splitlines():
+            match = _METRIC.match(line)
+            if not match:
+                continue
+            value = float(match.group(2))
+            if match.group(1) == "vllm:num_requests_waiting":
+                if not baseline:
+                    self.max_waiting[name] = max(self.max_waiting.get(name, 0.0), value)
+                continue
+            counter = _COUNTERS[match.group(1)]
+            key = (name, engine_pid, counter)
+            if not baseline:
+                grown = max(0.0, value - self._last.get(key, 0.0))
+                totals: dict[str, float] = getattr(self, counter)
+                totals[name] = totals.get(name, 0.0) + grown
+            self._last[key] = value

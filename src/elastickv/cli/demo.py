@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -178,16 +177,9 @@ def _line(monitor: Any, elapsed: float) -> str:
 
 def _stop(proc: subprocess.Popen[bytes]) -> list[int]:
     """SIGTERM serve, wait for it; the processes of its session still alive (none, normally)."""
-    from elastickv.serve.engine import session_processes
+    from elastickv.serve.engine import stop_session
 
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return [p.pid for p in session_processes(proc.pid)]
+    return stop_session(proc, timeout=90)
 
 
 def _report(outcome: dict[str, Any], plot: Path, console: Console) -> None:

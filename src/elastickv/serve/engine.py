@@ -15,10 +15,12 @@ import ctypes
 import os
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -112,6 +114,22 @@ def log_path(log_dir: Path, name: str) -> Path:
     """The engine log of model ``name`` (the name made safe for a file name)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return log_dir / f"{safe}.log"
+
+
+def stop_session(proc: subprocess.Popen[Any], timeout: float = 60.0) -> list[int]:
+    """Stop a process started with ``start_new_session``: SIGTERM to its whole session's
+    group, wait up to ``timeout`` s for it, then SIGKILL the group. Returns the pids of its
+    session still alive afterwards (none, normally)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return [p.pid for p in session_processes(proc.pid)]
 
 
 def session_processes(sid: int) -> list[psutil.Process]:
