@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,7 +56,8 @@ def test_plan_keeps_the_budget_and_each_models_bounds(case: tuple[list[Demand], 
         if d.activity is Activity.RELEASED:
             assert target == max(1, d.floor)
         elif d.activity is Activity.IDLE:
-            assert target == min(d.cap, max(d.min_kv, d.used))
+            squeeze = any(o.activity is Activity.ACTIVE and o.pressured for o in demands)
+            assert target == (d.min_kv if squeeze else min(d.cap, max(d.min_kv, d.used)))
         else:
             assert max(d.min_kv, d.used) <= target <= max(d.cap, d.min_kv, d.used)
     # Raises are applied in the plan's order: active models first, by priority.
@@ -86,10 +88,15 @@ def test_idle_shrinks_and_a_burst_grows() -> None:
                    pressured=True)  # fmt: skip
     idle = Demand("b", 4 * MiB, 24 * MiB, 0, Activity.IDLE, used=10 * MiB, limit=20 * MiB)
     released = Demand("c", 4 * MiB, 24 * MiB, 0, Activity.RELEASED, used=MiB, floor=MiB // 2)
+    calm = plan_limits([replace(burst, pressured=False), idle, released], 32 * MiB, MiB)
+    assert calm["b"] == 10 * MiB  # held to what it uses: its prefix cache stays
     targets = plan_limits([burst, idle, released], 32 * MiB, MiB)
-    assert targets["b"] == 10 * MiB  # held to what it uses
+    assert targets["b"] == 4 * MiB  # a burst is pressured: b gives back all but its min_kv
     assert targets["c"] == MiB // 2  # to its engine's floor
-    assert targets["a"] == 32 * MiB - 10 * MiB - 4 * MiB  # the rest: c's min_kv stays reserved
+    # b's 10 MiB still count until b has released them; c's min_kv stays reserved.
+    assert targets["a"] == 32 * MiB - 10 * MiB - 4 * MiB
+    after = plan_limits([burst, replace(idle, used=4 * MiB), released], 32 * MiB, MiB)
+    assert after["a"] == 24 * MiB  # the next look hands b's room to the burst (a's cap)
 
 
 def test_writer_keeps_the_budget_under_concurrent_commits() -> None:

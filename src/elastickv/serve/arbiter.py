@@ -37,7 +37,7 @@ class Activity(enum.Enum):
     """What the arbiter needs to know of a model's traffic."""
 
     ACTIVE = "active"  # requests in flight or waiting
-    IDLE = "idle"  # running, nothing in flight: held to what it uses
+    IDLE = "idle"  # running, nothing in flight: held to what it uses (to min_kv in a squeeze)
     RELEASED = "released"  # tier 1: its KV is released, limit at the engine's floor
     DOWN = "down"  # no engine (stopped, starting, failed): only its min_kv is reserved
 
@@ -75,15 +75,19 @@ def plan_limits(demands: Sequence[Demand], budget: int, step: int) -> dict[str, 
     Guarantees (property-tested): ``Σ max(target_i, min_kv_i, used_i) ≤ budget`` whenever
     ``Σ max(min_kv_i, used_i) ≤ budget``; each target is at most the model's cap (or what it
     already holds); a RELEASED model's target is its floor; an IDLE model's is what it holds
-    (at least ``min_kv``). Active models come first in the result, highest priority first:
-    the order in which raises are applied."""
+    (at least ``min_kv``), or just its ``min_kv`` while an active model is pressured: what an
+    idle engine holds beyond that is prefix cache and hot pages, which it gives back at once
+    when its limit drops, and the next look hands that room to the burst (the bytes still
+    count as used until they are really released). Active models come first in the result,
+    highest priority first: the order in which raises are applied."""
     base = {d.name: max(d.min_kv, d.used) for d in demands}
+    squeeze = any(d.activity is Activity.ACTIVE and d.pressured for d in demands)
     targets: dict[str, int] = {}
     for d in demands:
         if d.activity is Activity.RELEASED:
             targets[d.name] = max(1, d.floor)
         elif d.activity is Activity.IDLE:
-            targets[d.name] = d.want(step)
+            targets[d.name] = d.min_kv if squeeze else d.want(step)
             base[d.name] = max(base[d.name], targets[d.name])
     room = budget - sum(base.values())
     active = [d for d in demands if d.activity is Activity.ACTIVE]
