@@ -39,10 +39,10 @@ def pool() -> Iterator[object]:
     made.close_elastic()
 
 
-def allocate(pool: object, num: int, hits: list[object]) -> list[object] | None:
+def allocate(pool: object, num: int, hits: list[object], headroom: int = 0) -> list[object] | None:
     """What ``allocate_slots`` does: the fit check (after the coordinator told the pool the
     number and the prefix hits), then touch the hits and take the new blocks."""
-    pool.open_window()  # type: ignore[attr-defined]
+    pool.open_window(headroom)  # type: ignore[attr-defined]
     try:
         pool.expect(num, (hits,))  # type: ignore[attr-defined]
         if pool.get_num_free_blocks() < num:  # type: ignore[attr-defined]
@@ -75,3 +75,35 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: object) -> None:
     assert {b.block_id for b in second}.isdisjoint(b.block_id for b in first)  # type: ignore[attr-defined]
     assert all(b.ref_cnt == 1 for b in [*first, *second])  # type: ignore[attr-defined]
     assert pool.elastic_stats()["parked_blocks"] == 0  # type: ignore[attr-defined]
+
+
+def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
+    """A waiting request is admitted only if the running ones can still take their next
+    block (one each): otherwise a limit that holds exactly N prompts admits N, none can
+    grow, and vLLM preempts and re-admits them in turn. A running request's own growth
+    needs no headroom."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from elastickv.integrations.vllm.block_pool import admission_headroom
+
+    running = allocate(pool, 2, [])  # null block + 2 of the 5-page budget
+    assert running is not None
+    assert allocate(pool, 2, [], headroom=1) is None  # 5 of 5 pages: no room to grow
+    assert pool.elastic_stats()["stash_blocks"] == 0  # type: ignore[attr-defined]
+    admitted = allocate(pool, 1, [], headroom=1)  # 4 of 5: the running one can grow
+    assert admitted is not None
+    assert allocate(pool, 1, [], headroom=0) is not None  # a running request's growth
+    # The headroom counts the other requests that hold blocks, only for admissions.
+    holders = {"a": [object()], "b": [object()], "c": [], "new": []}
+    manager = SimpleNamespace(
+        coordinator=SimpleNamespace(single_type_managers=[SimpleNamespace(req_to_blocks=holders)])
+    )
+    waiting = SimpleNamespace(status=RequestStatus.WAITING, request_id="new")
+    preempted = SimpleNamespace(status=RequestStatus.PREEMPTED, request_id="a")
+    growing = SimpleNamespace(status=RequestStatus.RUNNING, request_id="a")
+    assert admission_headroom(manager, waiting) == 2
+    assert admission_headroom(manager, preempted) == 1
+    assert admission_headroom(manager, growing) == 0
+    assert admission_headroom(SimpleNamespace(), waiting) == 0

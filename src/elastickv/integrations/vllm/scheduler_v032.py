@@ -6,7 +6,8 @@ Three touch points in ``vllm.v1.core``:
   its pool through that name; there is no injection parameter);
 * ``KVCacheCoordinator.get_num_blocks_to_allocate`` → also tells the pool the number;
 * ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
-  happens before vLLM's fit check and unused backing is returned right after.
+  happens before vLLM's fit check and unused backing is returned right after; admitting a
+  waiting request also needs one block of headroom per request already holding blocks.
 
 And two on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
 engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`), ``shutdown`` returns the
@@ -25,7 +26,7 @@ def install() -> None:
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
     from vllm.v1.core.sched import scheduler
 
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool, admission_headroom
 
     kv_cache_coordinator.BlockPool = ElasticBlockPool
 
@@ -46,7 +47,9 @@ def install() -> None:
             pool = self.block_pool
             if not isinstance(pool, ElasticBlockPool):
                 return original(self, *args, **kwargs)
-            pool.open_window()  # a plain try/finally: this runs per request per step
+            request = kwargs.get("request", args[0] if args else None)
+            # a plain try/finally: this runs per request per step
+            pool.open_window(admission_headroom(self, request))
             try:
                 return original(self, *args, **kwargs)
             finally:
