@@ -18,7 +18,7 @@ proven from the static arm's own counters: it must preempt or queue for the comp
 mean anything, and the report says so when it did not.
 
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
-        [--workloads ramp,correlated,idle] [--peak 8] [--budget 24M] [--quick]
+        [--workloads ramp,correlated,idle] [--peak 12] [--budget 4608K] [--quick]
 """
 
 from __future__ import annotations
@@ -55,8 +55,10 @@ PAGE = "64K"
 # 4 KiB per token), so every model can always make progress.
 MIN_KV = {"tiny-llama": 512 << 10, "tiny-llama-bf16": 1 << 20, "tiny-llama-deep": 1536 << 10}
 RELEASE_AFTER_S = 5
-STOP_AFTER_S = 45
-IDLE_GAP_S = 60
+# Longer than any model waits for its burst in a ramp (2 × (P/4 + 2P) s: 54 s at P = 12), so
+# the ramp measures memory, not engine start-ups; the idle workload's gaps are longer still.
+STOP_AFTER_S = 90
+IDLE_GAP_S = 100
 TARGET_P99, TARGET_MEAN = 2.0, 1.25
 # The static arm is memory-bound if it preempted, was seen with waiting requests, or its
 # requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
@@ -303,7 +305,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", type=Path, help="write the picture of the ramp workload (PNG)")
     parser.add_argument("--workloads", default="ramp,correlated,idle")
-    parser.add_argument("--peak", type=int, default=8, help="P: peak requests/s of a ramp")
+    parser.add_argument("--peak", type=int, default=12, help="P: peak requests/s of a ramp")
     parser.add_argument("--budget", default="4608K", help="B, the KV bytes the models share")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--quick", action="store_true", help="the ramp workload only")
