@@ -84,3 +84,15 @@ def test_largest_reservation_is_a_real_bound() -> None:
 def test_settings_set_while_the_plugin_is_off_are_reported() -> None:
     assert ignored_settings({"ELASTICKV_BUGDET": "2G", "PATH": "/bin"}) == ["ELASTICKV_BUGDET"]
     assert ignored_settings({"PATH": "/bin"}) == []
+
+
+def test_a_percentage_budget_without_the_ledger_is_of_physical_memory() -> None:
+    import os
+
+    from elastickv.alloc import FixedBudget
+    from elastickv.integrations.vllm.store import local_policy
+
+    policy = local_policy(ElasticConfig.from_env({"ELASTICKV_BUDGET": "25%"}))
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert isinstance(policy, FixedBudget)
+    assert policy.available_bytes() == physical // 4

@@ -9,6 +9,7 @@ worker's pool (:mod:`elastickv.integrations.vllm.shared_pool`) and publishes it 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +34,13 @@ def default_policy(config: ElasticConfig) -> CapacityPolicy:
 
 
 def local_policy(config: ElasticConfig) -> CapacityPolicy:
-    """Without the ledger: a local byte budget when one is set, else unlimited (counted)."""
+    """Without the ledger: a local byte budget when one is set (a percentage is of this
+    host's physical memory, there being no device budget), else unlimited (counted)."""
     if config.budget_bytes is not None:
         return FixedBudget(config.budget_bytes)
+    if config.budget_percent is not None:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return FixedBudget(int(physical * config.budget_percent / 100))
     return Unlimited()
 
 
