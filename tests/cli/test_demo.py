@@ -9,8 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
+from elastickv.serve.engine import session_processes
 from elastickv.serve.python_env import find_engine_python
 
 
@@ -32,11 +31,4 @@ def test_demo_serves_the_load_and_leaves_nothing_running(tmp_path: Path) -> None
     assert summary[0].startswith("1. 18/18 requests served, 0 failed")
     assert "kv-released" in stdout  # the live lines show a model releasing its KV
     assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
-    left = []
-    for other in psutil.process_iter():
-        try:
-            if os.getsid(other.pid) == proc.pid and other.status() != psutil.STATUS_ZOMBIE:
-                left.append(other.pid)
-        except (psutil.Error, OSError):
-            continue
-    assert left == []
+    assert session_processes(proc.pid) == []

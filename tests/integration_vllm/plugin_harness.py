@@ -338,11 +338,9 @@ def failing_start(
             proc.kill()
             proc.wait()
     time.sleep(1)  # let children that are exiting finish
-    left = []
-    for other in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if os.getsid(other.pid) == proc.pid and other.status() != psutil.STATUS_ZOMBIE:
-                left.append(other.pid)
+    from elastickv.serve.engine import session_processes
+
+    left = [p.pid for p in session_processes(proc.pid)]
     ledger = ledger_list(ledger_dir)["instances"] if ledger_dir.exists() else []
     return {
         "returncode": proc.returncode,

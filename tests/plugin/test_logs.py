@@ -63,9 +63,9 @@ def test_refusals_are_logged_first_then_once_per_interval(
     monkeypatch.setattr("elastickv.integrations.vllm.startup.time.monotonic", lambda: now[0])
     refusals = RefusalLog("tiny:8000", interval_s=10.0)
     for _ in range(5):
-        refusals.refused(3, 2 << 20)
+        refusals.refused(3, lambda: 2 << 20)
     now[0] += 10.0
-    refusals.refused(1, 2 << 20)
+    refusals.refused(1, lambda: 2 << 20)
     lines = [r.getMessage() for r in vllm_handler.records]
     assert len(lines) == 2 and refusals.count == 6
     assert (

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.request import RequestStatus
 
 from elastickv.alloc import AllocatorStats, BlockAllocator
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
@@ -125,10 +126,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self._back(need):
             if not self._headroom or self._room_for(self._headroom):
                 return free
-            self._refusals.refused(need + self._headroom, self.allocator.stats().committed_bytes)
+            self._refusals.refused(need + self._headroom, self._committed_bytes)
             return 0  # admitting it would leave the running requests no room to grow
-        self._refusals.refused(need, self.allocator.stats().committed_bytes)
+        self._refusals.refused(need, self._committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
+
+    def _committed_bytes(self) -> int:
+        return self.allocator.stats().committed_bytes
 
     def _room_for(self, blocks: int) -> bool:
         """Whether ``blocks`` more could be backed now, evicting parked prefix-cache blocks
@@ -347,8 +351,6 @@ def admission_headroom(manager: Any, request: Any) -> int:
     """Blocks to keep free when ``allocate_slots`` admits ``request``: one for every other
     request that holds blocks (each may need its next block within ``block_size`` tokens);
     0 for a running request's own growth, or when vLLM's internals are not as expected."""
-    from vllm.v1.request import RequestStatus
-
     if getattr(request, "status", RequestStatus.RUNNING) == RequestStatus.RUNNING:
         return 0
     try:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from elastickv import __version__
 from elastickv.alloc import PageMap, null_floor_bytes
 from elastickv.units import format_bytes
 
@@ -39,7 +41,7 @@ def log_startup(
     logger.info(
         "elastickv %s on vLLM %s (%s contract): %s; %d KV blocks in a virtual %s, pages of "
         "%s committed on demand (floor %s), budget %s",
-        _version(),
+        __version__,
         installed_version(),
         getattr(geometry.contract, "value", geometry.contract),
         where,
@@ -107,7 +109,9 @@ class RefusalLog:
         self._pending = 0
         self._next_log = 0.0
 
-    def refused(self, blocks: int, committed_bytes: int) -> None:
+    def refused(self, blocks: int, committed_bytes: Callable[[], int]) -> None:
+        """One refusal of ``blocks``; ``committed_bytes`` is read only when a line is logged
+        (this runs on every scheduler step of an engine at its limit)."""
         self.count += 1
         self._pending += 1
         now = time.monotonic()
@@ -118,18 +122,9 @@ class RefusalLog:
             "elastickv: %r is at its memory limit (%s committed): %d allocation%s refused "
             "(last: %d blocks); vLLM keeps requests waiting or preempts until memory frees",
             self.name,
-            format_bytes(committed_bytes),
+            format_bytes(committed_bytes()),
             self._pending,
             "s" if self._pending != 1 else "",
             blocks,
         )
         self._pending = 0
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("elastickv")
-    except PackageNotFoundError:
-        return "(source)"
