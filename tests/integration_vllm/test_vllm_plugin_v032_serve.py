@@ -48,7 +48,7 @@ MIN_KV = 512 << 10
 BUDGET = 6 << 20
 SHORT = ["Hello, my name is", "1 + 1 =", "The capital of France is", "机器学习是"]
 MAX_TOKENS = 16
-LOAD_REQUESTS = 12
+LOAD_REQUESTS = 16  # each burst needs more than half the budget, also with admission headroom
 LOAD_TOKENS = 48
 RELEASE_AFTER_S = 3
 STOP_AFTER_S = 15
