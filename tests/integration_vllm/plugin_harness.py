@@ -95,6 +95,11 @@ def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
         stdout, stderr = engine.proc.communicate(timeout=timeout)
     finally:
         if engine.proc.poll() is None:
+            # A hung engine: its workers would outlive the runner and spin, so kill the tree.
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(engine.proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        child.kill()
             engine.proc.kill()
             engine.proc.wait()
     if engine.proc.returncode != 0:
