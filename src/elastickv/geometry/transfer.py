@@ -347,9 +347,14 @@ class TransferPlan:
         remote_block = block if remote_block is None else remote_block
         out: list[Transfer] = []
         for piece in self.slices:
-            local = slot_regions(self.local, block, _slots(self.local, piece.local_slots), layer)
+            local = slot_regions(
+                self.local, block, _slots(self.local, piece.local_slots, piece.local_whole), layer
+            )
             remote = slot_regions(
-                self.remote, remote_block, _slots(self.remote, piece.remote_slots), layer
+                self.remote,
+                remote_block,
+                _slots(self.remote, piece.remote_slots, piece.remote_whole),
+                layer,
             )
             out.extend(
                 Transfer(piece.remote_rank, a, b)
@@ -418,10 +423,11 @@ def _cut(g: KVCacheGeometry, region: Region, length: int) -> tuple[Region, Regio
     return first, other
 
 
-def _slots(geometry: KVCacheGeometry, slots: SlotRange) -> SlotRange:
-    """Head slots of KV heads ``slots`` (MLA: the one latent slot)."""
-    if geometry.kind is AttentionKind.MLA:
-        return (0, 1)
+def _slots(geometry: KVCacheGeometry, slots: SlotRange, whole: bool) -> SlotRange:
+    """Head slots holding KV heads ``slots`` of one rank's block: all of them for a whole
+    block (nvfp4 keeps K and V of each head in two slots), MLA's one latent slot."""
+    if whole or geometry.kind is AttentionKind.MLA:
+        return (0, geometry.num_head_slots)
     return slots
 
 
