@@ -107,3 +107,47 @@ def test_tour_runs_every_layout_for_real(tmp_path: Path) -> None:
         f"0.32 {name}" for name in ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
     } <= cases
     assert (tmp_path.glob("tiny-llama-*/config.json")).__next__().is_file()
+
+
+TRANSFER_SHAPE = ("--layers", "2", "--kv-heads", "2", "--head-size", "8", "--num-blocks", "6")
+
+
+def test_transfer_json_is_the_plan_of_the_core() -> None:
+    from elastickv.geometry import RemoteSide, plan_transfer
+
+    out = explain_json(*TRANSFER_SHAPE, "--transfer", "--remote-tp", "2", "--block", "4")
+    geometry = KVCacheGeometry(
+        num_layers=2, num_blocks=6, num_kv_heads=2, block_size=16, head_size=8, layout="HND"
+    )
+    plan = plan_transfer(geometry, RemoteSide(2))
+    assert out["transfer"] == {**plan.as_dict(4), "ranks": [[s.as_dict() for s in plan.slices]]}
+    # Local TP 1 reads one head from each of the two remote ranks, per layer.
+    assert [(t["remote_rank"], t["local"]["heads"]) for t in out["transfer"]["transfers"]] == [
+        (0, [0, 1]),
+        (0, [0, 1]),
+        (1, [1, 2]),
+        (1, [1, 2]),
+    ]
+    assert out["transfer"]["bytes_per_block"] == 2 * geometry.page_bytes
+    assert "transfer" not in explain_json(*TRANSFER_SHAPE)
+
+
+def test_transfer_table_and_refusal() -> None:
+    shown = run_cli("layout", "explain", *TRANSFER_SHAPE, "--transfer", "--tp", "2")
+    assert shown.returncode == 0, shown.stderr
+    assert "Head slices per local rank" in shown.stdout
+    assert "4 regions" not in shown.stdout and "2 regions, " in shown.stdout
+    refused = run_cli(
+        "layout",
+        "explain",
+        *TRANSFER_SHAPE,
+        "--head-size",
+        "32",
+        "--kv-cache-dtype",
+        "nvfp4",
+        "--transfer",
+        "--remote-tp",
+        "2",
+    )
+    assert refused.returncode == 2
+    assert "same TP size" in refused.stderr and "nvfp4" in refused.stderr

@@ -1,8 +1,8 @@
 """Run each real-vLLM contract file only in the virtual environment whose vLLM it checks.
 
-``test_contract_v032.py`` needs vLLM 0.32.x and ``test_contract_v028.py`` vLLM 0.28.x; the
-other file is not collected at all (never skipped file-wide in the matching venv). Without
-vLLM (the project venv) the whole folder is ignored.
+``test_contract_v032.py`` / ``test_transfer_v032.py`` need vLLM 0.32.x and the ``_v028`` files
+vLLM 0.28.x; the other version's files are not collected at all (never skipped file-wide in
+the matching venv). Without vLLM (the project venv) the whole folder is ignored.
 """
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 
-_FILES = {"0.28": "test_contract_v028.py", "0.32": "test_contract_v032.py"}
+_FILES = {
+    "0.28": ("test_contract_v028.py", "test_transfer_v028.py"),
+    "0.32": ("test_contract_v032.py", "test_transfer_v032.py"),
+}
 
 
 def installed_vllm_version() -> str | None:
@@ -28,5 +31,7 @@ def installed_vllm_version() -> str | None:
 VLLM_VERSION = installed_vllm_version()
 _SERIES = None if VLLM_VERSION is None else ".".join(VLLM_VERSION.split(".")[:2])
 
-collect_ignore: list[str] = [name for series, name in _FILES.items() if series != _SERIES]
+collect_ignore: list[str] = [
+    name for series, names in _FILES.items() if series != _SERIES for name in names
+]
 collect_ignore_glob: list[str] = ["*.py"] if VLLM_VERSION is None else []

@@ -21,6 +21,7 @@ from elastickv.geometry import (
     vllm028_layout,
 )
 from elastickv.geometry.report import DEFAULT_PAGE_SIZE, LayoutReport, explain
+from elastickv.geometry.transfer import HeadSlice, RemoteSide, TransferPlan, plan_transfer
 from elastickv.models.shapes import example_shapes
 from elastickv.units import format_bytes, parse_size
 
@@ -65,6 +66,20 @@ def register(commands: Any) -> None:
     p.add_argument("--layer-stride", type=_size, help="KVCacheTensor layer_stride (bytes)")
     p.add_argument("--block-stride", type=_size, help="KVCacheTensor block_stride (bytes)")
     p.add_argument("--page-size", type=_size, default=DEFAULT_PAGE_SIZE, help="mapping page (2M)")
+    p.add_argument(
+        "--transfer",
+        action="store_true",
+        help="also show what a KV connector moves per block to/from a remote engine (P/D)",
+    )
+    p.add_argument("--remote-tp", type=int, default=1, help="--transfer: remote TP size (1)")
+    p.add_argument("--tp", type=int, default=1, help="--transfer: local TP size (1)")
+    p.add_argument("--tp-rank", type=int, default=0, help="--transfer: local rank shown (0)")
+    p.add_argument(
+        "--total-kv-heads",
+        type=int,
+        help="--transfer: the model's KV heads (default: --kv-heads x --tp)",
+    )
+    p.add_argument("--block", type=int, default=0, help="--transfer: block shown (0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run_explain)
     from elastickv.cli import layout_tour
@@ -126,11 +141,97 @@ def run_explain(args: argparse.Namespace) -> int:
         report = explain(geometry, page_size=args.page_size)
     except ValueError as err:
         raise UserError(str(err)) from err
+    plan, ranks = _transfer(args, geometry) if args.transfer else (None, [])
     if args.json:
-        print(json.dumps(report.as_dict()))
+        payload = report.as_dict()
+        if plan is not None:
+            payload["transfer"] = {
+                **plan.as_dict(args.block),
+                "ranks": [[s.as_dict() for s in slices] for slices in ranks],
+            }
+        print(json.dumps(payload))
     else:
-        render_report(report, output_console())
+        console = output_console()
+        render_report(report, console)
+        if plan is not None:
+            render_transfer(plan, ranks, args.block, console)
     return 0
+
+
+def _transfer(
+    args: argparse.Namespace, geometry: KVCacheGeometry
+) -> tuple[TransferPlan, list[tuple[HeadSlice, ...]]]:
+    """The shown rank's plan, and every local rank's head slices."""
+    try:
+
+        def plan(rank: int) -> TransferPlan:
+            return plan_transfer(
+                geometry,
+                RemoteSide(args.remote_tp),
+                local_tp=args.tp,
+                local_rank=rank,
+                total_kv_heads=args.total_kv_heads,
+            )
+
+        shown = plan(args.tp_rank)
+        shown.transfers(args.block)
+        ranks = [plan(rank).slices for rank in range(args.tp)]
+    except (GeometryError, IndexError) as err:
+        raise UserError(str(err)) from err
+    return shown, ranks
+
+
+def render_transfer(
+    plan: TransferPlan, ranks: list[tuple[HeadSlice, ...]], block: int, console: Console
+) -> None:
+    t = plan.topology
+    console.print(
+        f"[bold]Transfer[/] local TP {t.local_tp} <-> remote TP {t.remote_tp}, "
+        f"{t.total_kv_heads} KV heads{' (MLA latent, replicated)' if t.mla else ''}: "
+        f"tp_ratio {t.tp_ratio}, local replicated {t.replicated(t.local_tp)}, "
+        f"remote replicated {t.replicated(t.remote_tp)}"
+    )
+    slices = Table(title="Head slices per local rank (per block)", title_justify="left")
+    for column in ("local rank", "remote rank", "kv heads", "local slots", "remote slots"):
+        slices.add_column(column, justify="right")
+    for rank_slices in ranks:
+        for s in rank_slices:
+            slices.add_row(
+                str(s.local_rank),
+                str(s.remote_rank),
+                _span(s.kv_heads),
+                _span(s.local_slots) + (" (whole)" if s.local_whole else ""),
+                _span(s.remote_slots) + (" (whole)" if s.remote_whole else ""),
+            )
+    print_table(console, slices)
+    transfers = plan.transfers(block)
+    regions = Table(
+        title=f"Regions of block {block}, local rank {plan.local_rank} (bytes of each backing)",
+        title_justify="left",
+    )
+    for column in ("layer", "kernel block", "heads", "tokens", "remote rank"):
+        regions.add_column(column, justify="right")
+    for column in ("local offset", "remote offset", "length"):
+        regions.add_column(column, justify="right")
+    for x in transfers:
+        regions.add_row(
+            str(x.local.layer),
+            str(x.local.kernel_block),
+            _span(x.local.heads),
+            _span(x.local.tokens),
+            str(x.remote_rank),
+            f"{x.local.offset:,}",
+            f"{x.remote.offset:,}",
+            f"{x.local.length:,}",
+        )
+    print_table(console, regions)
+    console.print(
+        f"{len(transfers)} regions, {sum(x.local.length for x in transfers):,} bytes per block"
+    )
+
+
+def _span(value: tuple[int, int]) -> str:
+    return f"{value[0]}..{value[1] - 1}" if value[1] - value[0] > 1 else str(value[0])
 
 
 def render_report(report: LayoutReport, console: Console) -> None:

@@ -1,0 +1,215 @@
+"""Contract: our transfer geometry is what vLLM 0.32's NIXL connector computes.
+
+vLLM side, its own code called without an engine: ``TransferTopology`` (tp ratio, KV
+replication) and ``compute_tp_mapping`` (source ranks, head-slot index, rank offset factor);
+the NIXL worker's descriptor builders ``_build_fa_local``, ``_build_fa_remote`` and
+``_build_local_splits_from_plan``, called as plain functions on a stand-in worker that holds
+the per-region ``(base, block_len, block_stride)`` NIXL registers. That registration step
+(``register_kv_caches``) needs a live NIXL agent, so the test reproduces its rule for the
+block-contiguous layouts NIXL allows for heterogeneous TP: base = the layer view's
+``data_ptr()``, length = page / kernel-block ratio, stride = ``stride(0)`` in bytes.
+
+Our side: ``TPTopology.slices`` and ``TransferPlan.transfers`` over backings whose views
+are built by ``build_layer_views``; every descriptor address and length must be equal.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from vllm.distributed.kv_transfer.kv_connector.utils import (
+    EngineTransferInfo,
+    TransferTopology,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import (
+    NixlBaseConnectorWorker as Worker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import compute_tp_mapping
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from elastickv.geometry import (
+    KVCacheGeometry,
+    RemoteSide,
+    TPTopology,
+    build_layer_views,
+    plan_transfer,
+    slot_regions,
+)
+
+TPS = (1, 2, 4, 8)
+
+
+def _vllm(local_tp: int, rank: int, remote_tp: int, heads: int, mla: bool) -> TransferTopology:
+    topo = TransferTopology(
+        tp_rank=rank,
+        tp_size=local_tp,
+        block_size=16,
+        engine_id="local",
+        is_mla=mla,
+        is_mamba=False,
+        total_num_kv_heads=1 if mla else heads,
+        attn_backends=[],
+    )
+    info = EngineTransferInfo(
+        remote_tp_size=remote_tp,
+        remote_block_len=0,
+        remote_block_size=16,
+        remote_physical_blocks_per_logical=1,
+    )
+    topo.register_remote_engine("remote", info)
+    return topo
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.sampled_from((1, 2, 4, 8)),
+    st.sampled_from(TPS),
+    st.sampled_from(TPS),
+    st.booleans(),
+    st.data(),
+)
+def test_slices_match_transfer_topology_and_compute_tp_mapping(
+    heads: int, local_tp: int, remote_tp: int, mla: bool, data: st.DataObject
+) -> None:
+    rank = data.draw(st.integers(0, local_tp - 1))
+    ours = TPTopology(local_tp, remote_tp, 1 if mla else heads, mla)
+    topo = _vllm(local_tp, rank, remote_tp, heads, mla)
+    mapping = compute_tp_mapping(topo, remote_tp, (FullAttentionSpec,))
+    slices = ours.slices(rank)
+    assert topo.tp_ratio(remote_tp) == ours.tp_ratio
+    assert topo.replicates_kv_cache("remote") == ours.replicated(remote_tp)
+    assert topo.local_replicates_kv_cache == ours.replicated(local_tp)
+    assert topo.local_physical_heads == ours.heads_per_rank(local_tp)
+    assert mapping.source_ranks_per_group[0] == tuple(s.remote_rank for s in slices)
+    assert set(topo.handshake_target_ranks(remote_tp)) >= {s.remote_rank for s in slices}
+    local_heads = ours.heads_per_rank(local_tp)
+    for s in slices:
+        if ours.replicated(remote_tp):  # NIXL reads replicated regions whole, at offset 0
+            assert s.remote_whole
+        elif local_tp >= remote_tp:  # remote offset = factor x local block_len
+            assert s.remote_slots == (
+                mapping.rank_offset_factor * local_heads,
+                (mapping.rank_offset_factor + 1) * local_heads,
+            )
+        if local_tp < remote_tp and not ours.replicated(local_tp):
+            chunk = local_heads // len(mapping.source_ranks_per_group[0])
+            slot = mapping.rank_to_attention_slot[s.remote_rank]
+            assert s.local_slots == (slot * chunk, (slot + 1) * chunk)
+
+
+def _registration(g: KVCacheGeometry, backing: torch.Tensor) -> tuple[list[int], int, list[int]]:
+    """NIXL's per-layer regions over our views: bases, block_len, strides."""
+    views = build_layer_views(g, backing)
+    bases = [v.data_ptr() for v in views]
+    strides = [v.stride(0) * v.element_size() for v in views]
+    return bases, g.page_bytes // g.kernel_ratio, strides
+
+
+def _worker(g: KVCacheGeometry, backing: torch.Tensor, topo: TransferTopology, mla: bool) -> Any:
+    bases, block_len, strides = _registration(g, backing)
+    stub = types.SimpleNamespace(
+        transfer_topo=topo,
+        device_id=0,
+        _transfer_layer_region_indices=(),
+        block_len_per_layer=[block_len] * g.num_layers,
+        block_stride_per_layer=strides,
+        region_num_blocks=[g.num_kernel_blocks] * g.num_layers,
+        num_regions=g.num_layers,
+        _group_spec_types=(FullAttentionSpec,),
+        _is_region_replicated=lambda i: mla,
+        _logical_num_blocks=g.num_blocks,
+        _ple_region_index=None,
+        _stack_descs=Worker._stack_descs,
+    )
+    stub._fa_desc_replicated = types.MethodType(Worker._fa_desc_replicated, stub)
+    stub.bases = bases
+    return stub
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[KVCacheGeometry, int, int, int, int, bool]:
+    mla = draw(st.booleans())
+    heads = 1 if mla else draw(st.sampled_from((1, 2, 4)))
+    local_tp, remote_tp = draw(st.sampled_from(TPS[:3])), draw(st.sampled_from(TPS[:3]))
+    layout = draw(st.sampled_from(("LBHNC", "BLHNC")))  # NIXL's block-contiguous layouts
+    assert KVCacheLayout[layout].is_block_contiguous
+    layers = draw(st.integers(1, 3))
+    ratio = 1 if layout == "BLHNC" and layers > 1 else draw(st.sampled_from((1, 2)))
+    g = KVCacheGeometry(
+        num_layers=layers,
+        num_blocks=draw(st.integers(2, 5)),
+        num_kv_heads=max(1, heads // local_tp),
+        block_size=4 * ratio,
+        kernel_block_size=4,
+        head_size=8,
+        dtype="float16",
+        layout=layout,
+        kind="mla" if mla else "packed",
+    )
+    rank = draw(st.integers(0, local_tp - 1))
+    return g, heads, local_tp, remote_tp, rank, mla
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(), st.data())
+def test_descriptors_match_the_nixl_worker(
+    case: tuple[KVCacheGeometry, int, int, int, int, bool], data: st.DataObject
+) -> None:
+    g, heads, local_tp, remote_tp, rank, mla = case
+    plan = plan_transfer(
+        g, RemoteSide(remote_tp), local_tp=local_tp, local_rank=rank, total_kv_heads=heads
+    )
+    topo = _vllm(local_tp, rank, remote_tp, heads, mla)
+    mapping = compute_tp_mapping(topo, remote_tp, (FullAttentionSpec,))
+    local_backing = torch.zeros(g.backing_bytes, dtype=torch.uint8)
+    local = _worker(g, local_backing, topo, mla)
+    remote_backings = {
+        s.remote_rank: torch.zeros(plan.remote.backing_bytes, dtype=torch.uint8)
+        for s in plan.slices
+    }
+    block = data.draw(st.integers(0, g.num_blocks - 1))
+    remote_block = data.draw(st.integers(0, g.num_blocks - 1))
+    src = Worker._build_fa_local(local, local.bases, 1)
+    if topo.tp_ratio(remote_tp) < 0 and not mla:
+        splits = list(Worker._build_local_splits_from_plan(local, mapping, src, len(src), 1))
+        by_rank = dict(zip(mapping.all_source_ranks, splits, strict=True))
+    else:
+        by_rank = {s.remote_rank: src.tolist() for s in plan.slices}
+    ours = {
+        (x.remote_rank, x.local.layer, x.local.kernel_block): x
+        for x in plan.transfers(block, remote_block)
+    }
+    assert len(ours) == len(plan.transfers(block, remote_block))  # one region per key
+    kr = g.kernel_ratio
+    for remote_rank, backing in remote_backings.items():
+        bases, _, strides = _registration(plan.remote, backing)
+        meta = types.SimpleNamespace(
+            kv_caches_base_addr=bases,
+            region_num_blocks=None,
+            num_blocks=plan.remote.num_kernel_blocks,
+            device_id=0,
+            block_strides=strides,
+        )
+        dst = Worker._build_fa_remote(local, mapping, meta, 1)
+        for layer in range(g.num_layers):
+            for j in range(kr):
+                x = ours[(remote_rank, layer, j)]
+                addr, length, _ = by_rank[remote_rank][layer * g.num_kernel_blocks + block * kr + j]
+                assert (addr, length) == (local_backing.data_ptr() + x.local.offset, x.local.length)
+                index = layer * plan.remote.num_kernel_blocks + remote_block * kr + j
+                addr, length, _ = (int(v) for v in dst[index])
+                assert (addr, length) == (backing.data_ptr() + x.remote.offset, x.remote.length)
+
+
+def test_nixl_refuses_head_slices_exactly_where_a_slice_is_not_one_run() -> None:
+    """A two-head slice of one rank's block is one byte run only for the layouts vLLM's
+    ``is_block_contiguous`` lets NIXL slice (it refuses the rest for heterogeneous TP)."""
+    for layout in KVCacheLayout:
+        g = KVCacheGeometry(2, 3, 4, 4, 8, layout=layout.name)
+        one_run = len(slot_regions(g, 1, (2, 4), layer=0)) == 1
+        assert one_run == layout.is_block_contiguous, layout
