@@ -394,3 +394,29 @@ def assert_footprint_follows_blocks(elastic: dict[str, Any]) -> tuple[int, int]:
     null_pages = elastic["idle"]["committed_pages"]
     assert after["footprint_bytes"] <= (HOT_MAX_PAGES + null_pages) * PAGE
     return idle, peak
+
+
+# -- tensor parallelism (shared by the 0.28 and 0.32 TP tests) --------------------------------
+
+TP = 2
+# vLLM's CPU workers refuse to share one NUMA node's threads unless bound by hand.
+TP_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# float32: in bfloat16 (what dtype "auto" picks on a CPU) TP=2's greedy ids depend on the
+# batch's composition in native vLLM itself, so a run that preempts could not be compared.
+TP_ARGS = ("--tensor-parallel-size", str(TP), "--dtype", "float32")
+# 6 page indices on each rank: the null block's slab (2 float32 blocks of tiny-llama on 2
+# pages) and two more slabs, 5 usable blocks: one request of 3 blocks at a time, and growth
+# refused while two run. (Less would hang: a request that can never fit waits forever.)
+TP_BUDGET = 12 * PAGE
+
+
+def assert_ranks_exact(samples: list[dict[str, Any]], ranks: int = TP) -> None:
+    """At every check, each rank's memfd (read through /proc by the runner) holds exactly
+    what the scheduler committed for that rank, and the policy was charged for all ranks."""
+    assert samples
+    for sample in samples:
+        rank_footprints = sample["rank_footprint_bytes"]
+        assert len(rank_footprints) == ranks
+        assert rank_footprints == sample["rank_committed_bytes"], sample
+        assert len(set(rank_footprints)) == 1, sample
+        assert sum(rank_footprints) == sample["footprint_bytes"] == sample["admitted_bytes"]

@@ -2,11 +2,7 @@
 each worker rank holds its shard of the KV heads in its own pool, the scheduler commits a
 block's pages on both ranks as one transaction. Compared with native vLLM TP=2 in-process
 and through the OpenAI server, under a budget that forces refusals, and when a worker dies.
-
-The model runs in float32: in bfloat16 (what ``dtype="auto"`` picks on a CPU) TP=2's greedy
-ids depend on the batch's composition in native vLLM itself (measured: native TP=2 with
-``max_num_seqs=3`` differs from native TP=2 at requests 6 and 9), so a run that preempts
-could not be compared token for token.
+The engine tests are shared with vLLM 0.28 (:mod:`tp_tests`).
 
 The two ranks run on the machine's two cores (``VLLM_CPU_OMP_THREADS_BIND="0|1"``: vLLM's
 CPU workers refuse to share one NUMA node's threads without it).
@@ -18,70 +14,26 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from plugin_harness import ELASTIC, PAGE, ledger_list, openai_server, pool_fds, serve, terminate
+from plugin_harness import ELASTIC, TP, ledger_list, openai_server, pool_fds, serve, terminate
+from plugin_harness import TP_BIND as BIND
+from tp_tests import (
+    test_tp2_budget_forces_refusals_ids_identical,
+    test_tp2_each_rank_footprint_is_what_the_scheduler_committed,
+    test_tp2_outputs_identical_to_native_tp2,
+)
 
-EngineRuns = Callable[..., dict[str, Any]]
-TP = 2
-BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-TP_ARGS = ("--tensor-parallel-size", str(TP), "--dtype", "float32")
-ALL = ("all", "--max-tokens", "64", "--no-prefix-caching", *TP_ARGS)
-# 6 page indices on each of the 2 ranks: the null block's slab (2 blocks of float32 on 2
-# pages) and two more slabs, 5 usable blocks: one request of 3 blocks at a time, and growth
-# refused while two run. (Less would hang: a request that can never fit waits forever.)
-BUDGET = 12 * PAGE
-
-
-def _assert_ranks_exact(samples: list[dict[str, Any]]) -> None:
-    """At every check, each rank's memfd (read through /proc by the runner) holds exactly
-    what the scheduler committed for that rank, and the policy was charged for both."""
-    assert samples
-    for sample in samples:
-        rank_footprints = sample["rank_footprint_bytes"]
-        assert len(rank_footprints) == TP
-        assert rank_footprints == sample["rank_committed_bytes"], sample
-        assert rank_footprints[0] == rank_footprints[1], sample
-        assert sum(rank_footprints) == sample["footprint_bytes"] == sample["admitted_bytes"]
-
-
-def test_tp2_outputs_identical_to_native_tp2(runs: EngineRuns) -> None:
-    native = runs("tiny-llama", *ALL, **BIND)
-    elastic = runs("tiny-llama", *ALL, **BIND, **ELASTIC)
-    assert elastic["elastic"] and not native["elastic"]
-    assert elastic["functional"] == native["functional"]
-    assert len(elastic["concurrent"]) == 16 and all(len(t) == 64 for t in elastic["concurrent"])
-    assert elastic["concurrent"] == native["concurrent"]
-
-
-def test_tp2_each_rank_footprint_is_what_the_scheduler_committed(runs: EngineRuns) -> None:
-    elastic = runs("tiny-llama", *ALL, **BIND, **ELASTIC)
-    samples = [elastic["idle"], *elastic["samples"], elastic["after"]]
-    _assert_ranks_exact(samples)
-    idle = elastic["idle"]["footprint_bytes"]
-    peak = max(s["footprint_bytes"] for s in elastic["samples"])
-    print(f"\n[vllm-tp2 elastic] idle {idle} peak {peak} after {elastic['after']}")
-    assert idle > 0 and peak >= 4 * idle
-    (running,) = elastic["ledger_served"]["instances"]
-    assert running["peak_bytes"] >= peak
-    assert elastic["ledger_after"]["instances"] == []
-
-
-def test_tp2_budget_forces_refusals_ids_identical(runs: EngineRuns) -> None:
-    native = runs("tiny-llama", *ALL, **BIND)
-    args = ("concurrent", "--max-tokens", "64", "--no-prefix-caching", *TP_ARGS)
-    elastic = runs("tiny-llama", *args, ELASTICKV_BUDGET=str(BUDGET), **BIND, **ELASTIC)
-    assert elastic["preemptions"] > 0 and native["preemptions"] == 0
-    assert elastic["after"]["refusals"] > 0
-    _assert_ranks_exact(elastic["samples"])
-    assert max(s["footprint_bytes"] for s in elastic["samples"]) <= BUDGET
-    (served,) = elastic["ledger_served"]["instances"]
-    assert served["peak_bytes"] <= BUDGET and served["refusals"] > 0
-    assert elastic["concurrent"] == native["concurrent"]
+__all__ = [
+    "test_tp2_budget_forces_refusals_ids_identical",
+    "test_tp2_dead_worker_fails_the_engine_and_leaves_no_record",
+    "test_tp2_each_rank_footprint_is_what_the_scheduler_committed",
+    "test_tp2_outputs_identical_to_native_tp2",
+    "test_tp2_server_completions_identical_to_native",
+]
 
 
 @pytest.fixture(scope="module")
