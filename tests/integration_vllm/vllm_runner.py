@@ -135,6 +135,7 @@ def run(
     ledger_limit: str | None = None,
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
+    distributed_executor_backend: str | None = None,
 ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -149,6 +150,7 @@ def run(
         seed=0,
         enable_prefix_caching=prefix_caching,
         tensor_parallel_size=tensor_parallel_size,
+        distributed_executor_backend=distributed_executor_backend,
     )
     startup_s = time.monotonic() - start
     elastic = os.environ.get("ELASTICKV") == "1"
@@ -223,6 +225,7 @@ def main() -> None:
     parser.add_argument("--ledger-limit", help="`elastickv limit` this engine after warm-up")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--distributed-executor-backend", help="vLLM's default when not given")
     args = parser.parse_args()
     result = run(
         args.model,
@@ -233,6 +236,7 @@ def main() -> None:
         args.ledger_limit,
         args.tensor_parallel_size,
         args.dtype,
+        args.distributed_executor_backend,
     )
     sys.stdout.write("\n" + json.dumps(result) + "\n")
 
