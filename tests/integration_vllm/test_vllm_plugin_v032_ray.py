@@ -33,17 +33,14 @@ from typing import Any
 
 import psutil
 import pytest
-from plugin_harness import ELASTIC
-from test_vllm_plugin_v032_tp import _assert_ranks_exact
+from plugin_harness import ELASTIC, TP, TP_ARGS, assert_ranks_exact
+from plugin_harness import TP_BIND as BIND
 
 EngineRuns = Callable[..., dict[str, Any]]
-TP = 2
 SHIM = Path(__file__).with_name("ray_cpu")
 GATE = "EKV_TEST_RAY_CPU_PLATFORM"
 TOKEN = uuid.uuid4().hex
-BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 ALL = ("all", "--max-tokens", "64", "--no-prefix-caching")
-TP_ARGS = ("--tensor-parallel-size", str(TP), "--dtype", "float32")
 RAY_ARGS = (*ALL, *TP_ARGS, "--distributed-executor-backend", "ray")
 MP_ARGS = (*ALL, *TP_ARGS)
 
@@ -145,7 +142,7 @@ def test_ray_tp2_each_rank_footprint_is_what_the_scheduler_committed(
 ) -> None:
     elastic = ray_runs["elastic"]
     samples = [elastic["idle"], *elastic["samples"], elastic["after"]]
-    _assert_ranks_exact(samples)
+    assert_ranks_exact(samples)
     peak = max(s["footprint_bytes"] for s in elastic["samples"])
     assert elastic["idle"]["footprint_bytes"] > 0 and peak >= 4 * elastic["idle"]["footprint_bytes"]
     (served,) = elastic["ledger_served"]["instances"]
