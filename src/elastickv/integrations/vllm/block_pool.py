@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 # model; an operator's limit still lands within this interval.
 LIMIT_CHECK_INTERVAL_S = 0.05
 _NO_HITS: frozenset[int] = frozenset()
+_RUNNING = RequestStatus.RUNNING
 
 
 class ElasticCapacityError(RuntimeError):
@@ -439,7 +440,8 @@ def admission_headroom(manager: Any, request: Any) -> int:
     """Blocks to keep free when ``allocate_slots`` admits ``request``: one for every other
     request that holds blocks (each may need its next block within ``block_size`` tokens);
     0 for a running request's own growth, or when vLLM's internals are not as expected."""
-    if getattr(request, "status", RequestStatus.RUNNING) == RequestStatus.RUNNING:
+    status = getattr(request, "status", _RUNNING)
+    if status is _RUNNING or status == _RUNNING:  # identity first: the common, cheap case
         return 0
     try:
         holders = manager.coordinator.single_type_managers[0].req_to_blocks
