@@ -552,7 +552,11 @@ class BlockAllocator:
                 if before - len(live) != len(blocks):
                     live.update(blocks)
                     raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
-                if isinstance(blocks, list) and slab_of[blocks[0]] != slab_of[blocks[-1]]:
+                if (
+                    isinstance(blocks, list)
+                    and blocks
+                    and slab_of[blocks[0]] != slab_of[blocks[-1]]
+                ):
                     # Several slabs for sure (a request's prompt and decode blocks, freed in
                     # reverse): skip the one-slab test.
                     self._free_slabs(blocks)
