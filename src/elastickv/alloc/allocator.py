@@ -364,6 +364,13 @@ class BlockAllocator:
             cursor = self._cursor
             if cursor >= 0:
                 free = self._free[cursor]
+                if n == 1 and free:  # a decode step's block: no slicing
+                    block = free.pop()
+                    self._warm_free -= 1
+                    self._slab_live[cursor] += 1
+                    self._live.add(block)
+                    self._allocations += 1
+                    return [block]
                 if 0 < n <= len(free):
                     blocks = free[-n:]
                     del free[-n:]
