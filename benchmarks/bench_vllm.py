@@ -147,6 +147,18 @@ def hermetic_env(cache_root: Path, extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def thread_binding(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``ranks`` CPU workers: this process's CPUs split into
+    that many contiguous groups (``"0|1"`` for 2 ranks on 2 cores). vLLM's CPU workers refuse
+    to start several ranks on one NUMA node without it."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < ranks:
+        raise SystemExit(f"--tensor-parallel-size {ranks} needs {ranks} CPUs; {len(cpus)} here")
+    size = len(cpus) // ranks
+    groups = [cpus[r * size : (r + 1) * size] for r in range(ranks)]
+    return "|".join(",".join(str(c) for c in group) for group in groups)
+
+
 def health(port: int) -> int | None:
     try:
         with urllib.request.urlopen(f"http://{HOST}:{port}/health", timeout=2) as response:
@@ -178,11 +190,13 @@ class Server:
 
 
 @contextlib.contextmanager
-def server(model: str, env: dict[str, str], log: Path) -> Iterator[tuple[Server, float]]:
+def server(
+    model: str, env: dict[str, str], log: Path, args: list[str]
+) -> Iterator[tuple[Server, float]]:
     """Start the OpenAI server; yield it and its start-up seconds. Always leaves no process."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    cmd += ["--host", HOST, "--port", str(port), *SERVER_ARGS]
+    cmd += ["--host", HOST, "--port", str(port), *args]
     start = time.monotonic()
     with log.open("wb") as sink:
         proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -329,7 +343,12 @@ def measure(
 
 
 def run_round(
-    index: int, model: str, work: Workload, envs: dict[str, dict[str, str]], tmp: Path
+    index: int,
+    model: str,
+    work: Workload,
+    envs: dict[str, dict[str, str]],
+    tmp: Path,
+    server_args: list[str],
 ) -> tuple[list[Started], list[Pass], dict[str, list[float]], list[list[str]]]:
     """Start both servers one after the other, then alternate timed passes between them."""
     order = ["native", "elastic"] if index % 2 == 0 else ["elastic", "native"]
@@ -341,7 +360,7 @@ def run_round(
         servers: dict[str, tuple[Server, float]] = {}
         for side in order:
             servers[side] = stack.enter_context(
-                server(model, envs[side], tmp / f"{side}-{index}.log")
+                server(model, envs[side], tmp / f"{side}-{index}.log", server_args)
             )
         for side in order:  # warm-up, untimed
             run_wave(servers[side][0], work, prompts(work.requests)[: work.concurrency])
@@ -459,6 +478,12 @@ def main() -> int:
         help="extra setting for the elastic side (repeatable)",
     )
     parser.add_argument("--keep-logs", action="store_true", help="keep the server logs")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks per engine, both sides (CPU threads bound with VLLM_CPU_OMP_THREADS_BIND)",
+    )
     args = parser.parse_args()
 
     if vllm_version() is None:
@@ -477,6 +502,15 @@ def main() -> int:
         passes=args.passes or (3 if quick else 6),
     )
     rounds = args.rounds or (1 if quick else 2)
+    if args.tensor_parallel_size < 1:
+        parser.error("--tensor-parallel-size must be at least 1")
+    server_args = [*SERVER_ARGS]
+    common: dict[str, str] = {}
+    if args.tensor_parallel_size > 1:
+        server_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        common["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", thread_binding(args.tensor_parallel_size)
+        )
 
     from elastickv.models import ensure_tiny_model
 
@@ -490,14 +524,17 @@ def main() -> int:
     outputs: list[list[str]] = []
     try:
         (tmp / "ledger").mkdir(mode=0o700)
-        extra = {"native": {}, "elastic": {**elastic_env, **ledger_env(tmp / "ledger")}}
+        extra = {
+            "native": common,
+            "elastic": {**common, **elastic_env, **ledger_env(tmp / "ledger")},
+        }
         for index in range(rounds):
             # A fresh (cold) vLLM cache root per server: every start-up pays the same.
             envs = {
                 side: hermetic_env(tmp / f"vllm-cache-{side}-{index}", extra[side])
                 for side in ("native", "elastic")
             }
-            lives, done, firsts, texts = run_round(index, model, work, envs, tmp)
+            lives, done, firsts, texts = run_round(index, model, work, envs, tmp, server_args)
             started += lives
             passes += done
             for side, values in firsts.items():
@@ -516,7 +553,7 @@ def main() -> int:
         "vllm": vllm_version(),
         "model": args.model,
         "workload": {**asdict(work), "rounds": rounds, "temperature": 0, "ignore_eos": True},
-        "server_args": SERVER_ARGS,
+        "server_args": server_args,
         "elastic_env": elastic_env,
         **summarise(started, passes, ttfts, outputs, work),
         "targets": {"throughput_min": THROUGHPUT_TARGET, "ttft_max": TTFT_TARGET},

@@ -176,7 +176,11 @@ def _wait_ready(server: Server, timeout: float) -> None:
 
 @contextlib.contextmanager
 def openai_server(
-    cache_root: Path, model: str, extra: dict[str, str], log: Path
+    cache_root: Path,
+    model: str,
+    extra: dict[str, str],
+    log: Path,
+    engine_args: dict[str, str | None] | None = None,
 ) -> Iterator[Server]:
     """Start ``vllm.entrypoints.openai.api_server`` on 127.0.0.1 and wait for ``/health``.
 
@@ -186,7 +190,7 @@ def openai_server(
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--no-enable-prefix-caching"]
-    for key, value in ENGINE_ARGS.items():
+    for key, value in {**ENGINE_ARGS, **(engine_args or {})}.items():
         cmd += [f"--{key}"] + ([] if value is None else [value])
     env = hermetic_env(cache_root, extra, multiprocess=True)
     with log.open("wb") as sink:
@@ -260,9 +264,15 @@ def ledger_list(ledger_dir: Path | str) -> dict[str, Any]:
 SERVER_MAX_TOKENS = 24
 
 
-def serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]:
+def serve(
+    cache_root: Path,
+    log: Path,
+    extra: dict[str, str],
+    engine_args: dict[str, str | None] | None = None,
+) -> dict[str, Any]:
     """One OpenAI server run: health, the ledger and pools while idle, the repeated functional
-    prompts one at a time, 16 concurrent completions, health again, SIGTERM, the ledger after."""
+    prompts one at a time, 16 concurrent completions, health again, SIGTERM, the ledger after.
+    ``engine_args`` add to (or override) :data:`ENGINE_ARGS` on the command line."""
     from vllm_runner import FUNCTIONAL, concurrent_prompts
 
     from elastickv.models import ensure_tiny_model
@@ -270,7 +280,7 @@ def serve(cache_root: Path, log: Path, extra: dict[str, str]) -> dict[str, Any]:
     model = str(ensure_tiny_model("tiny-llama"))
     ledger_dir = cache_root / "ledger"
     started = time.monotonic()
-    with openai_server(cache_root, model, extra, log) as server:
+    with openai_server(cache_root, model, extra, log, engine_args) as server:
         result: dict[str, Any] = {"health": server.get_status("/health"), "port": server.port}
         result["startup_s"] = round(time.monotonic() - started, 1)
         result["ledger"] = ledger_list(ledger_dir)["instances"]

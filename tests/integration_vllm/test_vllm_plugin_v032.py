@@ -208,10 +208,10 @@ def test_fp8_kv_cache_fails_engine_startup_naming_it(cache_root: Path, tmp_path:
 @pytest.mark.parametrize(
     ("llm_kwargs", "message"),
     [
-        ({"tensor_parallel_size": 2}, "--tensor-parallel-size 2: elastickv serves one KV-cache"),
+        ({"pipeline_parallel_size": 2}, "--pipeline-parallel-size 2: elastickv commits a block"),
         ({"attention_backend": "FLASH_ATTN"}, "--attention-backend FLASH_ATTN: elastickv supports"),
     ],
-    ids=["tensor-parallel", "attention-backend"],
+    ids=["pipeline-parallel", "attention-backend"],
 )
 def test_unsupported_options_refused_before_weights_load(
     cache_root: Path, tmp_path: Path, llm_kwargs: dict[str, Any], message: str

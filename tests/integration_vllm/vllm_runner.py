@@ -52,22 +52,40 @@ def _in_process_core(llm: Any) -> Any | None:
     return getattr(llm.llm_engine.engine_core, "engine_core", None)
 
 
-def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, int]] | None, int | None]:
-    """A stats sampler (None when native) and the fd it holds (to close before shutdown)."""
+def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, Any]] | None, list[int]]:
+    """A stats sampler (None when native) and the fds it holds (to close before shutdown).
+
+    Every worker rank's memfd is opened through the plugin's export RPC, so each rank's
+    footprint is read from the kernel on its own; in-process the block pool's counters and
+    the scheduler's per-rank bookkeeping come with it."""
     if not elastic:
-        return None, None
+        return None, []
+    exports = llm.collective_rpc(EXPORT_METHOD)
+    fds = [os.open(f"/proc/{e['pid']}/fd/{e['fd']}", os.O_RDONLY | os.O_CLOEXEC) for e in exports]
+
+    def ranks() -> list[int]:
+        return [os.fstat(fd).st_blocks * 512 for fd in fds]
+
     core = _in_process_core(llm)
-    if core is not None:
-        pool = core.scheduler.kv_cache_manager.block_pool
-        stats: Callable[[], dict[str, int]] = pool.elastic_stats
-        return stats, None
-    (export,) = llm.collective_rpc(EXPORT_METHOD)
-    fd = os.open(f"/proc/{export['pid']}/fd/{export['fd']}", os.O_RDONLY | os.O_CLOEXEC)
+    if core is None:
 
-    def footprint() -> dict[str, int]:
-        return {"footprint_bytes": os.fstat(fd).st_blocks * 512}
+        def footprint() -> dict[str, Any]:
+            per_rank = ranks()
+            return {"footprint_bytes": sum(per_rank), "rank_footprint_bytes": per_rank}
 
-    return footprint, fd
+        return footprint, fds
+    pool = core.scheduler.kv_cache_manager.block_pool
+
+    def stats() -> dict[str, Any]:
+        out: dict[str, Any] = dict(pool.elastic_stats())
+        out["rank_footprint_bytes"] = ranks()
+        out["rank_committed_bytes"] = [
+            r.committed_bytes() for r in pool.elastic_store.rank_ranges()
+        ]
+        out["admitted_bytes"] = pool.allocator.policy.admitted_bytes
+        return out
+
+    return stats, fds
 
 
 def elastickv_cli(*args: str) -> dict[str, Any]:
@@ -115,29 +133,32 @@ def run(
     max_tokens: int,
     prefix_caching: bool,
     ledger_limit: str | None = None,
+    tensor_parallel_size: int = 1,
+    dtype: str = "auto",
 ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     start = time.monotonic()
     llm = LLM(
         model=model,
-        dtype="auto",
+        dtype=dtype,
         enforce_eager=True,
         max_model_len=256,
         block_size=block_size,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
         enable_prefix_caching=prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
     )
     startup_s = time.monotonic() - start
     elastic = os.environ.get("ELASTICKV") == "1"
-    stats, probe_fd = _probe(llm, elastic)
+    stats, probe_fds = _probe(llm, elastic)
     core = _in_process_core(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     engine = llm.llm_engine
     results: dict[str, list[int]] = {}
     preempted: dict[str, int] = {}
-    samples: list[dict[str, int]] = []
+    samples: list[dict[str, Any]] = []
     idle = stats() if stats else None
 
     def step(sample: bool) -> None:
@@ -182,8 +203,8 @@ def run(
         preemptions=sum(preempted.values()) if core is not None else None,
         serve_s=round(time.monotonic() - start, 2),
     )
-    if probe_fd is not None:
-        os.close(probe_fd)
+    for fd in probe_fds:
+        os.close(fd)
     if ledger:
         result["ledger_served"] = elastickv_cli("list")
     result["shutdown"] = _shutdown(llm)
@@ -200,6 +221,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--ledger-limit", help="`elastickv limit` this engine after warm-up")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     result = run(
         args.model,
@@ -208,6 +231,8 @@ def main() -> None:
         args.max_tokens,
         not args.no_prefix_caching,
         args.ledger_limit,
+        args.tensor_parallel_size,
+        args.dtype,
     )
     sys.stdout.write("\n" + json.dumps(result) + "\n")
 

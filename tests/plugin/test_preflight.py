@@ -35,7 +35,8 @@ def config(
 
 
 @pytest.mark.parametrize(
-    "ok", [config(), config(cache_dtype="bfloat16"), config(backend=Backend.CPU_ATTN)]
+    "ok",
+    [config(), config(cache_dtype="bfloat16"), config(backend=Backend.CPU_ATTN), config(tp=4)],
 )
 def test_supported_configs_pass(ok: SimpleNamespace) -> None:
     assert preflight.problems(ok) == []
@@ -46,8 +47,7 @@ def test_supported_configs_pass(ok: SimpleNamespace) -> None:
     ("bad", "message"),
     [
         (config(cache_dtype="fp8"), "--kv-cache-dtype fp8 (a quantized KV cache); use"),
-        (config(tp=2), "--tensor-parallel-size 2: elastickv serves one KV-cache worker"),
-        (config(pp=2), "--pipeline-parallel-size 2"),
+        (config(pp=2), "--pipeline-parallel-size 2: elastickv commits a block on every rank"),
         (config(backend=Backend.FLASH_ATTN), "--attention-backend FLASH_ATTN"),
         (config(device="cuda"), "the cuda platform"),
     ],
@@ -59,4 +59,4 @@ def test_each_unsupported_option_is_named(bad: SimpleNamespace, message: str) ->
 
 
 def test_all_problems_in_one_error() -> None:
-    assert len(preflight.problems(config(cache_dtype="fp8", tp=4))) == 2
+    assert len(preflight.problems(config(cache_dtype="fp8", tp=4, pp=2))) == 2

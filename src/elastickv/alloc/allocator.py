@@ -51,6 +51,7 @@ class AllocatorStats:
     committed_pages: int
     hot_pages: int
     page_size: int
+    bytes_per_page: int
     allocations: int
     refusals: int
     frees: int
@@ -61,14 +62,17 @@ class AllocatorStats:
 
     @property
     def committed_bytes(self) -> int:
-        return self.committed_pages * self.page_size
+        return self.committed_pages * self.bytes_per_page
 
 
-def null_floor_bytes(page_map: PageMap) -> int:
+def null_floor_bytes(page_map: PageMap, bytes_per_page: int | None = None) -> int:
     """Bytes an allocator with a null block commits before it hands out anything: every page
     of the null block's slab. Known from the geometry alone, so a budget can be checked
-    against it (and a refusal explained) before the allocator exists."""
-    return len(page_map.slab_pages[page_map.block_slab[NULL_BLOCK]]) * page_map.page_size
+    against it (and a refusal explained) before the allocator exists. ``bytes_per_page``
+    is what one page index costs (default: one page; several for a range sharded over
+    ranks)."""
+    per_page = page_map.page_size if bytes_per_page is None else bytes_per_page
+    return len(page_map.slab_pages[page_map.block_slab[NULL_BLOCK]]) * per_page
 
 
 class BlockAllocator:
@@ -111,6 +115,8 @@ class BlockAllocator:
         self._range = vmm_range
         self._policy: CapacityPolicy = policy if policy is not None else Unlimited()
         self._page_size = page_size
+        # What the policy is charged per page index (page_size × ranks on a sharded range).
+        self._page_bytes = vmm_range.bytes_per_page
         self._min_hot = min_hot_pages
         self._max_hot = max_hot_pages
         self._lock = threading.Lock()
@@ -202,6 +208,11 @@ class BlockAllocator:
         return self._page_size
 
     @property
+    def bytes_per_page(self) -> int:
+        """What one committed page index costs the policy (see ``VirtualRange.bytes_per_page``)."""
+        return self._page_bytes
+
+    @property
     def policy(self) -> CapacityPolicy:
         return self._policy
 
@@ -232,7 +243,7 @@ class BlockAllocator:
         pmap = self.page_map
         slabs = -(-(n - self._warm_free) // pmap.typical_slab_blocks)
         pages = min(slabs * pmap.typical_slab_pages, self._touched_pages - self._num_committed)
-        return self._policy.available_bytes() >= pages * self._page_size
+        return self._policy.available_bytes() >= pages * self._page_bytes
 
     def is_live(self, block: int) -> bool:
         return block in self._live
@@ -258,7 +269,7 @@ class BlockAllocator:
         (committed at construction, released only by :meth:`close`); 0 without a null block."""
         if self._null is None:
             return 0
-        return null_floor_bytes(self.page_map)
+        return null_floor_bytes(self.page_map, self._page_bytes)
 
     def null_block_pages(self) -> frozenset[int]:
         if self._null is None:
@@ -275,6 +286,7 @@ class BlockAllocator:
                 committed_pages=sum(self._committed),
                 hot_pages=self._num_hot,
                 page_size=self._page_size,
+                bytes_per_page=self._page_bytes,
                 allocations=self._allocations,
                 refusals=self._refusals,
                 frees=self._frees,
@@ -654,7 +666,7 @@ class BlockAllocator:
         New pages start hot (no live block yet)."""
         if not pages:
             return True
-        nbytes = len(pages) * self._page_size
+        nbytes = len(pages) * self._page_bytes
         observer = self.commit_observer
         start = time.perf_counter() if observer is not None else 0.0
         if not self._policy.try_admit(nbytes):
@@ -686,7 +698,7 @@ class BlockAllocator:
                 kept = {p for p in stray if self._range.is_committed(p)}
                 self._pages_committed += len(kept)
                 self._mark(kept, committed=True)
-                nbytes -= len(kept) * self._page_size
+                nbytes -= len(kept) * self._page_bytes
         self._policy.release(nbytes)
 
     def _shrink_hot(self, keep: int) -> int:
@@ -716,7 +728,7 @@ class BlockAllocator:
     def _after_release(self, pages: set[int]) -> None:
         if not pages:
             return
-        self._policy.release(len(pages) * self._page_size)
+        self._policy.release(len(pages) * self._page_bytes)
         self._pages_released += len(pages)
         self._mark(pages, committed=False)
 
@@ -794,7 +806,7 @@ class BlockAllocator:
             if pages and not self._range.closed:
                 self._range.release(sorted(pages))
             if pages:
-                self._policy.release(len(pages) * self._page_size)
+                self._policy.release(len(pages) * self._page_bytes)
             for page in pages:
                 self._committed[page] = 0
             self._num_committed = 0

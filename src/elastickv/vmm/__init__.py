@@ -26,6 +26,7 @@ from elastickv.vmm.errors import (
     VmmError,
 )
 from elastickv.vmm.host import HostBackend, HostPool, HostRange, host_granularity
+from elastickv.vmm.sharded import ShardedRange
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -42,6 +43,7 @@ __all__ = [
     "RangeInfo",
     "ReleaseError",
     "ReservationError",
+    "ShardedRange",
     "VirtualRange",
     "VmmBackend",
     "VmmError",

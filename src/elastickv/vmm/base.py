@@ -118,6 +118,12 @@ class VirtualRange(abc.ABC):
         return self._num_pages
 
     @property
+    def bytes_per_page(self) -> int:
+        """Physical bytes one committed page index holds: the page size here; a range that
+        commits each index on several devices or ranks holds that many pages."""
+        return self._page_size
+
+    @property
     def strict(self) -> bool:
         """True if access to an uncommitted page faults (reads included)."""
         return self._strict

@@ -190,7 +190,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             return 0
         self._next_limit_check = now + LIMIT_CHECK_INTERVAL_S
         released = 0
-        page = self.allocator.page_size
+        page = self.allocator.bytes_per_page
         while (over := self.registration.over_limit_bytes()) > 0:
             hot = self.allocator.stats().hot_pages
             trimmed = self.allocator.trim(max(0, hot - -(-over // page)))

@@ -34,40 +34,60 @@ from elastickv.integrations.vllm.shared_pool import (
 )
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
 from elastickv.integrations.vllm.watchdog import ParentWatchdog
+from elastickv.vmm import HostRange, ShardedRange, VirtualRange
 
 logger = logging.getLogger(__name__)
 
 
 def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFactory) -> None:
-    """Publish the scheduler's store for the one worker's ``replies``; fail closed."""
-    if len(replies) != 1:
+    """Publish the scheduler's store over every worker rank's pool in ``replies``; fail
+    closed. Under tensor parallelism each rank holds its shard of the KV heads in the same
+    geometry, so one allocator drives all ranks through a :class:`ShardedRange`."""
+    if not replies:
+        raise ElasticKVStartupError("internal: the engine has no KV-cache worker to attach to")
+    missing = [rank for rank, reply in enumerate(replies) if reply is None]
+    if missing:
         raise ElasticKVStartupError(
-            f"elastickv supports one KV-cache worker per engine; this engine has {len(replies)} "
-            "(tensor/pipeline parallelism is not supported yet)"
+            f"worker rank(s) {missing} did not place their KV cache on elastickv storage (is "
+            "the elastickv plugin loaded in every worker process, with the same ELASTICKV "
+            "settings?)"
         )
-    if replies[0] is None:
-        raise ElasticKVStartupError(
-            "the worker did not place its KV cache on elastickv storage (is the elastickv "
-            "plugin loaded in the worker process, with the same ELASTICKV settings?)"
-        )
-    export = PoolExport.from_wire(replies[0])
-    geometry = geometry_from_wire(export.geometry)
-    if export.mapping == IN_PROCESS and export.pid == os.getpid():
+    exports = [PoolExport.from_wire(reply) for reply in replies]
+    geometry = geometry_from_wire(exports[0].geometry)
+    for rank, export in enumerate(exports[1:], start=1):
+        if geometry_from_wire(export.geometry) != geometry:
+            raise ElasticKVStartupError(
+                f"worker rank {rank} laid out its KV cache as "
+                f"{geometry_from_wire(export.geometry)} but rank 0 as {geometry}; elastickv "
+                "needs every rank of an engine to hold the same blocks in the same geometry "
+                "(pipeline parallelism is not supported)"
+            )
+    first = exports[0]
+    if len(exports) == 1 and first.mapping == IN_PROCESS and first.pid == os.getpid():
         store = REGISTRY.require()
         if store.geometry != geometry:
             raise ElasticKVStartupError("internal: the worker's geometry differs from its store")
         return
-    vmm_range = open_exported(config, export)
+    ranges: list[HostRange] = []
+    try:
+        for export in exports:
+            ranges.append(open_exported(config, export))
+    except BaseException:
+        for opened in ranges:
+            opened.close()
+        raise
+    vmm_range: VirtualRange = ranges[0] if len(ranges) == 1 else ShardedRange(ranges)
     REGISTRY.publish(
-        ElasticStore.over(config, geometry, vmm_range, export.size_bytes, policy_factory)
+        ElasticStore.over(config, geometry, vmm_range, first.size_bytes, policy_factory)
     )
     logger.info(
-        "elastickv: scheduler (pid %d) drives the KV pool of worker pid %d (%d bytes, %d-byte "
-        "pages)",
+        "elastickv: scheduler (pid %d) drives the KV pools of %d worker rank(s), pids %s "
+        "(%d bytes each, %d-byte pages)",
         os.getpid(),
-        export.pid,
-        vmm_range.size_bytes,
-        export.page_size,
+        len(exports),
+        ", ".join(str(export.pid) for export in exports),
+        ranges[0].size_bytes,
+        first.page_size,
     )
 
 

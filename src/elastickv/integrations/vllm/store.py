@@ -20,7 +20,7 @@ from elastickv.alloc import BlockAllocator, CapacityPolicy, FixedBudget, Unlimit
 from elastickv.geometry import KVCacheGeometry
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.vmm import HostBackend, HostRange
+from elastickv.vmm import HostBackend, ShardedRange, VirtualRange
 
 PolicyFactory = Callable[[ElasticConfig], CapacityPolicy]
 
@@ -50,7 +50,7 @@ class ElasticStore:
 
     config: ElasticConfig
     geometry: KVCacheGeometry
-    vmm_range: HostRange
+    vmm_range: VirtualRange
     policy: CapacityPolicy
     size_bytes: int
 
@@ -77,7 +77,7 @@ class ElasticStore:
         cls,
         config: ElasticConfig,
         geometry: KVCacheGeometry,
-        vmm_range: HostRange,
+        vmm_range: VirtualRange,
         size_bytes: int,
         policy_factory: PolicyFactory = default_policy,
     ) -> ElasticStore:
@@ -104,8 +104,20 @@ class ElasticStore:
             reserve_null_block=True,
         )
 
+    @property
+    def ranks(self) -> int:
+        """Worker ranks whose pools this store commits together (tensor parallelism)."""
+        vmm_range = self.vmm_range
+        return len(vmm_range.shards) if isinstance(vmm_range, ShardedRange) else 1
+
+    def rank_ranges(self) -> tuple[VirtualRange, ...]:
+        """Each rank's own range, rank order (one range without tensor parallelism)."""
+        vmm_range = self.vmm_range
+        return vmm_range.shards if isinstance(vmm_range, ShardedRange) else (vmm_range,)
+
     def footprint_bytes(self) -> int:
-        """What the kernel holds for the pool (memfd ``st_blocks``), not our own count."""
+        """What the kernel holds for the pool (memfd ``st_blocks``, summed over the ranks),
+        not our own count."""
         return self.vmm_range.footprint_bytes()
 
 

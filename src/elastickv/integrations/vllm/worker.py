@@ -27,6 +27,7 @@ from elastickv.integrations.vllm.shared_pool import (
     geometry_to_wire,
 )
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
+from elastickv.vmm import HostRange
 
 PERSISTENT_MARK = "_elastickv_persistent_kv"
 _POOL = "_elastickv_kv_pool"
@@ -114,7 +115,10 @@ def place(
 def export_fd(placed: ElasticStore | WorkerPool) -> int:
     """The memfd behind the placed KV cache, in this process."""
     if isinstance(placed, ElasticStore):
-        return placed.vmm_range.pool.fd
+        vmm_range = placed.vmm_range
+        if not isinstance(vmm_range, HostRange):
+            raise ElasticKVStartupError("internal: a worker's KV cache is not on a host range")
+        return vmm_range.pool.fd
     return placed.pool.fd
 
 
