@@ -268,7 +268,7 @@ def test_nixl_guard_wraps_add_remote_agent_with_its_signature() -> None:
     assert kv_transfer.install_nixl_guard()
     kv_transfer.install_nixl_guard()  # idempotent
     wrapped = Worker.add_remote_agent
-    assert wrapped.__elastickv_original__ is original  # type: ignore[attr-defined]
+    assert wrapped.__elastickv_original__ is original
     # Refused before vLLM's own code runs (a stand-in worker would fail there).
     with pytest.raises(kv_transfer.KVTransferMismatch, match="this engine 64, remote engine 32"):
         wrapped(_local_worker(block_size=64, block_len_per_layer=[16384]), _remote_meta(), 0, 1)

@@ -17,14 +17,11 @@ a KV connector never import NIXL).
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from elastickv.integrations.vllm.hooks import wrap_method
-
-logger = logging.getLogger(__name__)
 
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -87,13 +84,9 @@ def _guard_add_remote_agent(original: Callable[..., str]) -> Callable[..., str]:
         remote_tp_size: int = 1,
         remote_dcp_size: int = 1,
     ) -> str:
-        try:
-            check_remote(self, nixl_agent_meta, remote_tp_size)
-        except KVTransferMismatch as exc:
-            # The handshake runs in a background thread; vLLM logs the failure without its
-            # reason, so say it here too.
-            logger.error("%s", exc)
-            raise
+        # Raised in vLLM's handshake thread: vLLM logs it with the failed handshake and fails
+        # the requests waiting on it.
+        check_remote(self, nixl_agent_meta, remote_tp_size)
         return original(self, nixl_agent_meta, remote_tp_rank, remote_tp_size, remote_dcp_size)
 
     return add_remote_agent
