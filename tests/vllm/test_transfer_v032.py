@@ -18,6 +18,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -213,3 +214,100 @@ def test_nixl_refuses_head_slices_exactly_where_a_slice_is_not_one_run() -> None
         g = KVCacheGeometry(2, 3, 4, 4, 8, layout=layout.name)
         one_run = len(slot_regions(g, 1, (2, 4), layer=0)) == 1
         assert one_run == layout.is_block_contiguous, layout
+
+
+# -- the NIXL handshake guard: mismatched caches are refused before anything is registered ----
+
+
+def _remote_meta(**changes: Any) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlAgentMetadata
+
+    fields: dict[str, Any] = {
+        "engine_id": "prefill-engine",
+        "agent_metadata": b"",
+        "kv_caches_base_addr": [0],
+        "device_id": 0,
+        "num_blocks": 8,
+        "block_lens": [8192],
+        "block_strides": [8192],
+        "kv_cache_layout": "NHD",
+        "block_size": 32,
+        "ssm_sizes": (0, 0),
+        "attn_backend_name": "CPU_ATTN",
+        "physical_blocks_per_logical_kv_block": 1,
+    }
+    fields.update(changes)
+    return NixlAgentMetadata(**fields)
+
+
+def _local_worker(**changes: Any) -> types.SimpleNamespace:
+    fields: dict[str, Any] = {
+        "block_size": 32,
+        "_physical_blocks_per_logical_kv_block": 1,
+        "kv_cache_layout": "NHD",
+        "block_len_per_layer": [8192],
+        "transfer_tp_size": 1,
+    }
+    fields.update(changes)
+    return types.SimpleNamespace(**fields)
+
+
+def test_nixl_guard_wraps_add_remote_agent_with_its_signature() -> None:
+    import inspect
+
+    from elastickv.integrations.vllm import kv_transfer
+
+    original = Worker.add_remote_agent
+    assert list(inspect.signature(original).parameters) == [
+        "self",
+        "nixl_agent_meta",
+        "remote_tp_rank",
+        "remote_tp_size",
+        "remote_dcp_size",
+    ]
+    assert kv_transfer.install_nixl_guard()
+    kv_transfer.install_nixl_guard()  # idempotent
+    wrapped = Worker.add_remote_agent
+    assert wrapped.__elastickv_original__ is original
+    # Refused before vLLM's own code runs (a stand-in worker would fail there).
+    with pytest.raises(kv_transfer.KVTransferMismatch, match="this engine 64, remote engine 32"):
+        wrapped(_local_worker(block_size=64, block_len_per_layer=[16384]), _remote_meta(), 0, 1)
+
+
+def test_nixl_guard_names_what_differs() -> None:
+    from elastickv.integrations.vllm.kv_transfer import mismatches
+
+    assert mismatches(_local_worker(), _remote_meta(), 1) == []
+    assert mismatches(_local_worker(block_size=64), _remote_meta(), 1) == [
+        "block size: this engine 64, remote engine 32"
+    ]
+    # The same logical block split into other kernel blocks.
+    split = _local_worker(block_size=16, _physical_blocks_per_logical_kv_block=2)
+    assert mismatches(split, _remote_meta(), 1) == [
+        "kernel block size: this engine 16, remote engine 32"
+    ]
+    assert mismatches(_local_worker(kv_cache_layout="HND"), _remote_meta(), 1) == [
+        "KV cache layout: this engine HND, remote engine NHD"
+    ]
+    wider = _local_worker(block_len_per_layer=[16384])
+    assert mismatches(wider, _remote_meta(), 1) == [
+        "bytes per block (head size, heads or dtype): this engine 16384, remote engine 8192"
+    ]
+    # Heterogeneous TP: a block holds another number of heads on each side.
+    assert mismatches(wider, _remote_meta(), 2) == []
+
+
+def test_nixl_guard_installs_through_the_connector_factory() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from elastickv.integrations.vllm import kv_transfer
+
+    kv_transfer.wrap_classmethod(KVConnectorFactory, "create_connector", kv_transfer._after_create)
+    kv_transfer.install()
+    descriptor = KVConnectorFactory.__dict__["create_connector"]
+    assert isinstance(descriptor, classmethod)
+    assert hasattr(descriptor.__func__, "__elastickv_original__")
+    with pytest.raises(ValueError, match="kv_transfer_config must be set"):
+        KVConnectorFactory.create_connector(
+            types.SimpleNamespace(kv_transfer_config=None), None, None
+        )

@@ -52,11 +52,17 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
     with _install_lock:
         preflight.install()
         if contract is Contract.V032:
-            from elastickv.integrations.vllm import engine_core, scheduler_v032, worker_v032
+            from elastickv.integrations.vllm import (
+                engine_core,
+                kv_transfer,
+                scheduler_v032,
+                worker_v032,
+            )
 
             worker_v032.install(config, policy_factory)
             engine_core.install(config, policy_factory)
             scheduler_v032.install()
+            kv_transfer.install()  # NIXL handshakes: refuse caches laid out differently
         elif contract is Contract.V028:
             from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028
 
