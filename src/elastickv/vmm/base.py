@@ -192,7 +192,7 @@ class VirtualRange(abc.ABC):
 
     def committed_bytes(self) -> int:
         """Bytes committed according to this range's bookkeeping (see :meth:`footprint_bytes`)."""
-        return len(self._committed) * self._page_size
+        return len(self._committed) * self.bytes_per_page
 
     @abc.abstractmethod
     def footprint_bytes(self) -> int:

@@ -56,9 +56,6 @@ class ShardedRange(VirtualRange):
     def bytes_per_page(self) -> int:
         return self.page_size * len(self._shards)
 
-    def committed_bytes(self) -> int:
-        return self.num_committed * self.bytes_per_page
-
     def footprint_bytes(self) -> int:
         """The sum of every rank's footprint, as each rank's kernel or driver reports it."""
         return sum(shard.footprint_bytes() for shard in self._shards)

@@ -107,8 +107,7 @@ class ElasticStore:
     @property
     def ranks(self) -> int:
         """Worker ranks whose pools this store commits together (tensor parallelism)."""
-        vmm_range = self.vmm_range
-        return len(vmm_range.shards) if isinstance(vmm_range, ShardedRange) else 1
+        return len(self.rank_ranges())
 
     def rank_ranges(self) -> tuple[VirtualRange, ...]:
         """Each rank's own range, rank order (one range without tensor parallelism)."""
