@@ -12,7 +12,12 @@ two cores (``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``), each with its own NIXL sid
    serving, each within its own ``ELASTICKV_BUDGET``, which the reference run exceeds;
 3. for 4 other prompts, with every page the prefiller has committed overwritten with random
    bytes between the two steps (the decode output must change: the KV really crossed);
-4. a decode server with ``--block-size 64`` against the prefiller's 32: refused at the NIXL
+4. a late decoder: 4 prompts prefilled, then the decode requests held back past the
+   prefiller's (4 s) lease while other prompts run on the prefiller; elastickv holds the
+   unread blocks (``ELASTICKV_KV_READ_HOLD``) and the decoder reads the right KV;
+5. a decode request whose ``elastickv_read_by`` is past (set so by the test) and whose
+   prefill blocks were overwritten: the decoder computes the prompt itself (right tokens);
+6. a decode server with ``--block-size 64`` against the prefiller's 32: refused at the NIXL
    handshake, with both values in the error; never tokens.
 
 Float32, as in the TP tests: greedy ids that do not depend on the batch's composition.
@@ -44,15 +49,16 @@ from plugin_harness import (
 
 MAX_TOKENS = 16
 BLOCK = 32
-# vLLM's prefiller releases the blocks it keeps for a decoder when their lease expires (30 s by
-# default), and the decoder reads them anyway: on elastic storage their pages are gone by then
-# (wrong tokens), so a loaded machine needs a longer lease.
+# vLLM's prefiller frees the blocks it keeps for a decoder when their lease runs out; a short
+# one, so that the late-decoder step outlives it. elastickv holds unread blocks HOLD_S more.
+LEASE_S = 4
+HOLD_S = 60
 KV_TRANSFER = json.dumps(
     {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"kv_lease_duration": 300},
+        "kv_connector_extra_config": {"kv_lease_duration": LEASE_S},
     }
 )
 ENGINE: dict[str, str | None] = {
@@ -74,6 +80,8 @@ PREFILL_PARAMS = {
 # only the decoder's reads would free).
 BUDGET = 32 * PAGE
 MISMATCH = "block size: this engine 64, remote engine 32"
+HELD = "ran out before its decoder read the blocks"
+RECOMPUTED = "computing its prompt here instead of reading stale blocks"
 
 
 def prompts(n: int, salt: str) -> list[str]:
@@ -159,6 +167,7 @@ def engine_env(side_port: int, core: int) -> dict[str, str]:
     return {
         **ELASTIC,
         "ELASTICKV_BUDGET": str(BUDGET),
+        "ELASTICKV_KV_READ_HOLD": str(HOLD_S),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
     }
@@ -173,6 +182,8 @@ def pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
     ledger_dir = cache_root / "ledger"
     same = prompts(8, "Request")
     other = prompts(4, "Query")
+    late = prompts(4, "Late")
+    stale = prompts(2, "Stale")
     result: dict[str, Any] = {"prompts": same}
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
@@ -186,7 +197,8 @@ def pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
         ) as decode:
             result["startup_s"] = round(time.monotonic() - started, 1)
             result["reference"] = parallel(
-                lambda p: post(prefill, {"prompt": p, "max_tokens": MAX_TOKENS}), same + other
+                lambda p: post(prefill, {"prompt": p, "max_tokens": MAX_TOKENS}),
+                same + other + late + stale,
             )
             # As a router does it: each prompt's decode request follows its own prefill.
             exchanged = parallel(lambda p: exchange(prefill, decode, p), same)
@@ -197,6 +209,22 @@ def pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             prefilled = parallel(lambda p: prefill_step(prefill, p), other)
             result["scrambled_bytes"] = scramble_pool(prefill)
             result["scrambled"] = parallel(lambda p, r: decode_step(decode, p, r), other, prefilled)
+            # A late decoder: its requests come after the prefiller's lease ran out, while
+            # other prompts need the prefiller's pages (which freed blocks would give them).
+            prefilled = parallel(lambda p: prefill_step(prefill, p), late)
+            result["late_prefilled"] = prefilled
+            time.sleep(LEASE_S + 2)
+            parallel(lambda p: post(prefill, {"prompt": p, "max_tokens": 4}), same)
+            result["late_gap_s"] = round(time.monotonic() - started, 1)
+            result["late"] = parallel(lambda p, r: decode_step(decode, p, r), late, prefilled)
+            # Past the read-by time (the prefiller's blocks overwritten as well): the decoder
+            # must not read them.
+            prefilled = parallel(lambda p: prefill_step(prefill, p), stale)
+            for response in prefilled:
+                response["kv_transfer_params"]["elastickv_read_by"] = time.time() - 1.0
+            result["stale_prefilled"] = prefilled
+            scramble_pool(prefill)
+            result["stale"] = parallel(lambda p, r: decode_step(decode, p, r), stale, prefilled)
             result["ledger_end"] = ledger_list(ledger_dir)["instances"]
             result["decode_stop"] = terminate(decode)
         result["pair_s"] = round(time.monotonic() - started, 1)
@@ -234,11 +262,37 @@ def test_pd_output_equals_one_engine(pd: dict[str, Any]) -> None:
 
 def test_scrambled_prefill_blocks_change_decode_output(pd: dict[str, Any]) -> None:
     assert pd["scrambled_bytes"] > 0
-    reference = [token_ids(r) for r in pd["reference"][8:]]
+    reference = [token_ids(r) for r in pd["reference"][8:12]]
     scrambled = [token_ids(r) for r in pd["scrambled"]]
     assert all(ids is not None and len(ids) == MAX_TOKENS for ids in scrambled), pd["scrambled"]
     changed = sum(a != b for a, b in zip(scrambled, reference, strict=True))
     assert changed == len(reference), (scrambled, reference)
+
+
+def remote_ids(prefilled: list[dict[str, Any]]) -> list[str]:
+    return [r["kv_transfer_params"]["remote_request_id"] for r in prefilled]
+
+
+def test_a_late_decoder_reads_blocks_held_past_the_lease(pd: dict[str, Any]) -> None:
+    reference = [token_ids(r) for r in pd["reference"][12:16]]
+    assert [token_ids(r) for r in pd["late"]] == reference, pd["late"]
+    held = [line for line in pd["logs"]["prefill"].splitlines() if HELD in line]
+    for remote in remote_ids(pd["late_prefilled"]):
+        # vLLM's lease ran out, elastickv held the blocks, and the decoder read them.
+        assert any(remote in line for line in held), (remote, held)
+        assert not any(
+            remote in line and RECOMPUTED in line for line in pd["logs"]["decode"].splitlines()
+        )
+
+
+def test_a_decoder_past_the_read_by_time_computes_the_prompt(pd: dict[str, Any]) -> None:
+    reference = [token_ids(r) for r in pd["reference"][16:]]
+    # The prefiller's blocks were overwritten: a read would change these (as in the
+    # scrambling step); the decoder computed the prompts itself.
+    assert [token_ids(r) for r in pd["stale"]] == reference, pd["stale"]
+    recomputed = [line for line in pd["logs"]["decode"].splitlines() if RECOMPUTED in line]
+    for remote in remote_ids(pd["stale_prefilled"]):
+        assert any(remote in line for line in recomputed), (remote, recomputed)
 
 
 def test_both_engines_in_the_ledger_and_nothing_left(pd: dict[str, Any]) -> None:

@@ -34,6 +34,13 @@ def test_budget_takes_the_limit_grammar(
     )
 
 
+def test_read_hold_takes_seconds() -> None:
+    assert ElasticConfig.from_env({}).kv_read_hold_s == 300.0
+    assert ElasticConfig.from_env({"ELASTICKV_KV_READ_HOLD": "45"}).kv_read_hold_s == 45.0
+    assert ElasticConfig.from_env({"ELASTICKV_KV_READ_HOLD": "2.5s"}).kv_read_hold_s == 2.5
+    assert ElasticConfig.from_env({"ELASTICKV_KV_READ_HOLD": "0"}).kv_read_hold_s == 0.0
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -52,6 +59,10 @@ def test_budget_takes_the_limit_grammar(
         ({"ELASTICKV_BUDGET": "lots"}, "use a size (512M, 2G, 2GiB), a percentage"),
         ({"ELASTICKV_PAGE_SIZE": "1000"}, "ELASTICKV_PAGE_SIZE=1000 (1000 B) must be a positive"),
         ({"ELASTICKV_BUGDET": "2G"}, "ELASTICKV_BUGDET (did you mean ELASTICKV_BUDGET?)"),
+        ({"ELASTICKV_KV_READ_HOLD": "long"}, "ELASTICKV_KV_READ_HOLD='long' is not a number"),
+        ({"ELASTICKV_KV_READ_HOLD": "-5"}, "ELASTICKV_KV_READ_HOLD=-5 must be a number of"),
+        ({"ELASTICKV_KV_READ_HOLD": "nan"}, "ELASTICKV_KV_READ_HOLD='nan' is not a number"),
+        ({"ELASTICKV_KV_READ_HOLD": "inf"}, "from 0 to 86400"),
     ],
 )
 def test_errors_echo_the_setting_as_typed(env: dict[str, str], message: str) -> None:

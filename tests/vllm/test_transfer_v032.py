@@ -15,6 +15,7 @@ are built by ``build_layer_views``; every descriptor address and length must be 
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any
 
@@ -41,6 +42,7 @@ from elastickv.geometry import (
     plan_transfer,
     slot_regions,
 )
+from elastickv.integrations.vllm import kv_read_hold, kv_transfer
 
 TPS = (1, 2, 4, 8)
 
@@ -253,10 +255,6 @@ def _local_worker(**changes: Any) -> types.SimpleNamespace:
 
 
 def test_nixl_guard_wraps_add_remote_agent_with_its_signature() -> None:
-    import inspect
-
-    from elastickv.integrations.vllm import kv_transfer
-
     original = Worker.add_remote_agent
     assert list(inspect.signature(original).parameters) == [
         "self",
@@ -275,7 +273,7 @@ def test_nixl_guard_wraps_add_remote_agent_with_its_signature() -> None:
 
 
 def test_nixl_guard_names_what_differs() -> None:
-    from elastickv.integrations.vllm.kv_transfer import mismatches
+    mismatches = kv_transfer.mismatches
 
     assert mismatches(_local_worker(), _remote_meta(), 1) == []
     assert mismatches(_local_worker(block_size=64), _remote_meta(), 1) == [
@@ -300,9 +298,9 @@ def test_nixl_guard_names_what_differs() -> None:
 def test_nixl_guard_installs_through_the_connector_factory() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from elastickv.integrations.vllm import kv_transfer
-
-    kv_transfer.wrap_classmethod(KVConnectorFactory, "create_connector", kv_transfer._after_create)
+    kv_transfer.wrap_classmethod(
+        KVConnectorFactory, "create_connector", kv_transfer._after_create(60.0)
+    )
     kv_transfer.install()
     descriptor = KVConnectorFactory.__dict__["create_connector"]
     assert isinstance(descriptor, classmethod)
@@ -311,3 +309,96 @@ def test_nixl_guard_installs_through_the_connector_factory() -> None:
         KVConnectorFactory.create_connector(
             types.SimpleNamespace(kv_transfer_config=None), None, None
         )
+
+
+def _sending_worker(leases: dict[str, float]) -> types.SimpleNamespace:
+    """The state vLLM's ``_reap_expired_send_leases`` reads on a prefill-side NIXL worker."""
+    return types.SimpleNamespace(
+        _reqs_to_send=leases,
+        _reqs_to_process=set(leases),
+        consumer_notification_counts_by_req={},
+        expected_consumer_notifications_by_req=dict.fromkeys(leases, 1),
+        xfer_stats=types.SimpleNamespace(record_kv_expired_req=lambda: None),
+    )
+
+
+def test_an_unread_lease_is_held_before_vllm_reaps_it() -> None:
+    import time
+
+    reap = Worker._reap_expired_send_leases
+    original = getattr(reap, "__elastickv_original__", reap)  # another test may have installed
+    assert list(inspect.signature(original).parameters) == ["self", "done_sending"]
+    assert kv_transfer.install_nixl_guard()
+    reap = Worker._reap_expired_send_leases
+    assert reap.__elastickv_original__ is original
+    now = time.perf_counter()
+    worker = _sending_worker({"late": now - 1.0, "fresh": now + 100.0})
+    done: set[str] = set()
+    reap(worker, done)  # vLLM's own reaper, under the hold
+    assert done == set()
+    # Held for the default hold (the first install in a process sets it).
+    assert worker._reqs_to_send["late"] == pytest.approx(now - 1.0 + kv_read_hold.DEFAULT_HOLD_S)
+    worker._reqs_to_send["late"] = now - 0.5  # the hold ran out
+    reap(worker, done)
+    assert done == {"late"} and set(worker._reqs_to_send) == {"fresh"}
+
+
+def test_the_prefill_response_says_until_when_its_blocks_are_kept() -> None:
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+
+    kv_transfer.install_nixl_guard()
+    read_by_key = kv_read_hold.READ_BY_KEY
+    params = {"do_remote_prefill": True, "remote_request_id": "p-1"}
+    scheduler = types.SimpleNamespace(
+        _kv_lease_duration=30, request_finished=lambda request, block_ids: (True, dict(params))
+    )
+    connector = types.SimpleNamespace(connector_scheduler=scheduler)
+    before = time.time()
+    delay, out = NixlBaseConnector.request_finished(connector, object(), [1, 2])
+    assert delay is True and out is not None
+    promised = 30.0 + kv_read_hold.DEFAULT_HOLD_S  # the lease and the hold
+    assert before + promised <= out[read_by_key] <= time.time() + promised
+    _, out = NixlBaseConnector.request_finished_all_groups(connector, object(), ([1, 2],))
+    assert out is not None and read_by_key in out
+    # Blocks freed at once (an abort, a decode-side request): nothing to promise.
+    scheduler.request_finished = lambda request, block_ids: (False, dict(params))
+    _, out = NixlBaseConnector.request_finished(connector, object(), [1])
+    assert out is not None and read_by_key not in out
+
+
+def test_a_decoder_past_the_read_by_time_computes_the_prompt_itself() -> None:
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+
+    kv_transfer.install_nixl_guard()
+    pull = types.SimpleNamespace(
+        _get_remote_prefill_token_count=lambda n: n, kv_recompute_threshold=0
+    )
+    scheduler = types.SimpleNamespace(
+        get_num_new_matched_tokens=lambda request, computed: (
+            NixlPullConnectorScheduler.get_num_new_matched_tokens(pull, request, computed)
+        )
+    )
+    connector = types.SimpleNamespace(connector_scheduler=scheduler)
+
+    def request(read_by: float) -> types.SimpleNamespace:
+        params = {
+            "do_remote_prefill": True,
+            "remote_request_id": "p-1",
+            kv_read_hold.READ_BY_KEY: read_by,
+        }
+        return types.SimpleNamespace(
+            request_id="d-1", prompt_token_ids=list(range(70)), kv_transfer_params=params
+        )
+
+    fresh = request(time.time() + 60.0)
+    assert NixlBaseConnector.get_num_new_matched_tokens(connector, fresh, 0) == (70, True)
+    late = request(time.time() + 1.0)  # within the margin: may be gone when the read lands
+    assert NixlBaseConnector.get_num_new_matched_tokens(connector, late, 0) == (0, False)
+    assert late.kv_transfer_params["do_remote_prefill"] is False

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from elastickv.control.limits import parse_limit
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.kv_read_hold import DEFAULT_HOLD_S
 from elastickv.units import format_bytes, parse_size
 from elastickv.vmm import DEFAULT_PAGE_SIZE, host_granularity
 from elastickv.vmm.host import largest_reservation
@@ -22,6 +23,7 @@ ENABLE_VAR = "ELASTICKV"
 PREFIX = "ELASTICKV_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off", ""})
+MAX_READ_HOLD_S = 86400.0  # a day: beyond that, blocks a decoder never reads are a leak
 
 # Setting name -> (variable, help) — the documented surface (docs/vllm.md mirrors it).
 SETTINGS: dict[str, tuple[str, str]] = {
@@ -47,6 +49,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "check_commits": (
         "ELASTICKV_CHECK_COMMITS",
         "fail if a forward touches KV pages not committed before it (default 0)",
+    ),
+    "kv_read_hold_s": (
+        "ELASTICKV_KV_READ_HOLD",
+        "P/D: seconds a prefill engine keeps blocks its decoder has not read past vLLM's "
+        "KV lease (default 300; 0: the lease only)",
     ),
 }
 KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values())
@@ -95,6 +102,7 @@ class ElasticConfig:
     ledger_dir: str | None = None
     metrics_port: int | None = None
     budget_percent: float | None = None
+    kv_read_hold_s: float = DEFAULT_HOLD_S
     # What the user typed, by setting name, so errors echo it (not part of equality).
     typed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -129,6 +137,11 @@ class ElasticConfig:
             self._check_reservable(self.virtual_capacity_bytes)
         if self.instance_name is not None and not self.instance_name.strip():
             raise ElasticKVStartupError("ELASTICKV_INSTANCE must not be blank")
+        if not 0 <= self.kv_read_hold_s <= MAX_READ_HOLD_S:
+            raise ElasticKVStartupError(
+                f"{self.shown('kv_read_hold_s', f'{self.kv_read_hold_s:g}')} must be a number "
+                f"of seconds from 0 to {MAX_READ_HOLD_S:g}, e.g. 300"
+            )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ElasticKVStartupError(
                 f"ELASTICKV_METRICS_PORT={self.metrics_port} is not a TCP port (0-65535)"
@@ -207,6 +220,20 @@ class ElasticConfig:
                 ) from None
             return value
 
+        def seconds(name: str, default: float) -> float:
+            text = get(name)
+            if text is None:
+                return default
+            try:
+                value = float(text.strip().removesuffix("s"))
+            except ValueError:
+                raise ElasticKVStartupError(
+                    f"{SETTINGS[name][0]}={text!r} is not a number of seconds, e.g. 300"
+                ) from None
+            if value != value:  # NaN
+                raise ElasticKVStartupError(f"{SETTINGS[name][0]}={text!r} is not a number")
+            return value
+
         budget_bytes, budget_percent = _budget(get("budget_bytes"))
         strict_text = get("strict")
         check_text = get("check_commits")
@@ -223,6 +250,7 @@ class ElasticConfig:
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),
             ledger_dir=get("ledger_dir"),
             metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
+            kv_read_hold_s=seconds("kv_read_hold_s", DEFAULT_HOLD_S),
             typed=typed,
         )
 

@@ -10,9 +10,10 @@ cache first and raise :class:`KVTransferMismatch` naming both values. vLLM then 
 handshake and, with its default ``kv_load_failure_policy="fail"``, every request waiting on
 it: an error, never wrong tokens.
 
-The hook is installed lazily: :func:`install` wraps the connector factory, and the check is
-put on the NIXL worker class only once a process creates a NIXL connector (so engines without
-a KV connector never import NIXL).
+The hooks are installed lazily: :func:`install` wraps the connector factory, and the check
+(and the read hold of :mod:`~elastickv.integrations.vllm.kv_read_hold`) are put on the NIXL
+classes only once a process creates a NIXL connector (so engines without a KV connector never
+import NIXL).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from elastickv.integrations.vllm import kv_read_hold
 from elastickv.integrations.vllm.hooks import wrap_method
 
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+NIXL_CONNECTOR_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector"
 
 
 class KVTransferMismatch(RuntimeError):
@@ -92,28 +95,35 @@ def _guard_add_remote_agent(original: Callable[..., str]) -> Callable[..., str]:
     return add_remote_agent
 
 
-def install_nixl_guard() -> bool:
-    """Wrap the NIXL worker's ``add_remote_agent`` if its module is loaded; whether it is."""
+def install_nixl_guard(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> bool:
+    """Wrap the NIXL worker's ``add_remote_agent`` and put the read hold on the NIXL classes
+    if their modules are loaded; whether they are."""
     module = sys.modules.get(NIXL_WORKER_MODULE)
     worker = getattr(module, "NixlBaseConnectorWorker", None)
     if worker is None:
         return False
     wrap_method(worker, "add_remote_agent", _guard_add_remote_agent)
+    connector = getattr(sys.modules.get(NIXL_CONNECTOR_MODULE), "NixlBaseConnector", None)
+    kv_read_hold.install(worker, connector, read_hold_s)
     return True
 
 
-def _after_create(original: Callable[..., Any]) -> Callable[..., Any]:
-    def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
-        connector = original(cls, *args, **kwargs)
-        install_nixl_guard()
-        return connector
+def _after_create(read_hold_s: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
+            connector = original(cls, *args, **kwargs)
+            install_nixl_guard(read_hold_s)
+            return connector
 
-    return create_connector
+        return create_connector
+
+    return make
 
 
-def install() -> None:
-    """Check NIXL handshakes in every process that creates a NIXL connector (idempotent)."""
-    if install_nixl_guard():
+def install(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> None:
+    """Check NIXL handshakes and hold unread blocks in every process that creates a NIXL
+    connector (idempotent)."""
+    if install_nixl_guard(read_hold_s):
         return
     module = sys.modules.get(FACTORY_MODULE)
     if module is None:
@@ -123,7 +133,7 @@ def install() -> None:
             module = importlib.import_module(FACTORY_MODULE)
         except ImportError:  # a vLLM build without KV connectors: nothing to check
             return
-    wrap_classmethod(module.KVConnectorFactory, "create_connector", _after_create)
+    wrap_classmethod(module.KVConnectorFactory, "create_connector", _after_create(read_hold_s))
 
 
 def wrap_classmethod(
