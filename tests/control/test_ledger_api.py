@@ -52,6 +52,9 @@ def test_register_names_and_duplicates(ledger: Ledger) -> None:
     with pytest.raises(ValueError, match="invalid instance name"):
         ledger.register("has space")
     assert sorted(i.name for i in ledger.list_instances()) == sorted([auto.name, "llama-a"])
+    # A served model name with its organisation, and a P/D engine of `elastickv serve`.
+    for served in ("meta-llama/Llama-3.1-8B", "chat/prefill"):
+        ledger.register(served).close()
     named.close()
     named.close()
     assert [i.name for i in ledger.list_instances()] == [auto.name]

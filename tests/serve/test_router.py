@@ -19,6 +19,7 @@ from elastickv.serve.config import ModelConfig
 from elastickv.serve.engine import EngineLaunch
 from elastickv.serve.metrics import ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
+from elastickv.serve.pd import PREFILL_TRANSFER_PARAMS, PDPair
 from elastickv.serve.router import Router, upstream_session
 
 
@@ -63,6 +64,16 @@ def upstream_app(events: dict[str, Any]) -> web.Application:
                 events["all_arrived"].set()
             await asyncio.wait_for(events["all_arrived"].wait(), 20)
             return web.json_response({"choices": [{"text": "ok"}]})
+        params = body.get("kv_transfer_params")
+        if params is not None and params.get("do_remote_decode"):  # a P/D prefill step
+            if body.get("prompt") == "no-params":
+                return web.json_response({"choices": [{"text": "p"}]})
+            if body.get("prompt") == "refused":
+                return web.json_response({"error": {"message": "nope", "code": 400}}, status=400)
+            answer = {"choices": [{"text": "p"}], "kv_transfer_params": {"remote_block_ids": [7]}}
+            return web.json_response(answer)
+        if params is not None and not body.get("stream"):  # a P/D decode step
+            return web.json_response({"choices": [{"text": "d"}], "got": params})
         if body.get("prompt") == "slow":
             try:
                 await asyncio.sleep(30)
@@ -77,7 +88,9 @@ def upstream_app(events: dict[str, Any]) -> web.Application:
     return app
 
 
-def served(name: str, port: int | None, state: ModelState, queue_limit: int = 8) -> ServedModel:
+def served(
+    name: str, port: int | None, state: ModelState, queue_limit: int = 8, **config: Any
+) -> ServedModel:
     async def nothing(_: str) -> None:
         return None
 
@@ -91,7 +104,7 @@ def served(name: str, port: int | None, state: ModelState, queue_limit: int = 8)
         woke=lambda *a: None,
     )
     model = ServedModel(
-        ModelConfig(name=name, source="tiny-llama"), hooks, queue_limit=queue_limit,
+        ModelConfig(name=name, source="tiny-llama", **config), hooks, queue_limit=queue_limit,
         wake_timeout_s=0.5,
     )  # fmt: skip
     model.state = state
@@ -109,8 +122,13 @@ def run(test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[
                 "dead": served("dead", 1, ModelState.IDLE),  # nothing listens on port 1
                 "asleep": served("asleep", None, ModelState.STARTING, queue_limit=0),
             }
+            for role in ("prefill", "decode"):  # a P/D model's engines, one fake for both
+                models[f"pd/{role}"] = served(
+                    f"pd/{role}", upstream, ModelState.IDLE, role=role, group="pd"
+                )
+            pairs = {"pd": PDPair("pd", models["pd/prefill"], models["pd/decode"])}
             metrics = ServeMetrics(lambda: (0, []))
-            router = Router(models, metrics, session, lambda: {"models": []})
+            router = Router(models, metrics, session, lambda: {"models": []}, pairs)
             async with site(router.app()) as port:
                 await test(f"http://127.0.0.1:{port}", events, models)
 
@@ -136,7 +154,12 @@ def test_routes_by_model_and_passes_answers_through() -> None:
                 assert (await r.text()).count("data: ") == 4
             async with client.get(base + "/v1/models") as r:
                 listed = {m["id"]: m["state"] for m in (await r.json())["data"]}
-                assert listed == {"alpha": "idle", "dead": "idle", "asleep": "starting"}
+                assert listed == {
+                    "alpha": "idle",
+                    "dead": "idle",
+                    "asleep": "starting",
+                    "pd": "idle",
+                }
             async with client.get(base + "/metrics") as r:
                 text = await r.text()
                 assert 'elastickv_router_ttft_seconds_count{model="alpha"} 3.0' in text
@@ -152,7 +175,10 @@ def test_errors_are_openai_shaped() -> None:
             async with client.post(base + "/v1/completions", json={"model": "nope"}) as r:
                 body = await r.json()
                 assert r.status == 404 and body["error"]["param"] == "model"
-                assert "alpha, dead, asleep" in body["error"]["message"]
+                assert "alpha, dead, asleep, pd" in body["error"]["message"]
+            # A P/D model's engines are reached through their pair only.
+            async with client.post(base + "/v1/completions", json={"model": "pd/decode"}) as r:
+                assert r.status == 404
             async with client.post(base + "/v1/completions", data=b"{not json") as r:
                 assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
             async with client.post(base + "/v1/completions", json={"prompt": "x"}) as r:
@@ -223,5 +249,55 @@ def test_many_concurrent_requests_all_reach_the_engine() -> None:
 
             statuses = await asyncio.gather(*(one() for _ in range(150)))
         assert statuses == [200] * 150
+
+    run(check)
+
+
+def test_a_pd_model_prefills_on_one_engine_and_decodes_on_the_other() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        url = base + "/v1/completions"
+        request = {
+            "model": "pd",
+            "prompt": "x",
+            "max_tokens": 9,
+            "min_tokens": 3,
+            "stream_options": {"include_usage": True},
+        }
+        async with aiohttp.ClientSession() as client:
+            async with client.post(url, json=request) as r:
+                assert r.status == 200
+                answer = await r.json()
+            # The decode engine got the prefill answer's transfer parameters.
+            assert answer["got"] == {"remote_block_ids": [7]}
+            first, second = events["bodies"]
+            assert first == {
+                "model": "pd",
+                "prompt": "x",
+                "max_tokens": 1,
+                "kv_transfer_params": PREFILL_TRANSFER_PARAMS,
+            }
+            assert second == {**request, "kv_transfer_params": {"remote_block_ids": [7]}}
+            # A stream: the prefill step is not streamed, the decode step is.
+            async with client.post(url, json={**request, "stream": True}) as r:
+                assert r.content_type == "text/event-stream"
+                assert (await r.text()).count("data: ") == 4
+            assert "stream" not in events["bodies"][2] and events["bodies"][3]["stream"]
+            # The prefill engine's own error ends the request as it was.
+            async with client.post(url, json={**request, "prompt": "refused"}) as r:
+                assert r.status == 400 and (await r.json())["error"]["message"] == "nope"
+            async with client.post(url, json={**request, "prompt": "no-params"}) as r:
+                body = await r.json()
+                assert r.status == 502 and "without kv_transfer_params" in body["error"]["message"]
+            async with client.get(base + "/v1/models") as r:
+                (pd,) = [m for m in (await r.json())["data"] if m["id"] == "pd"]
+                assert pd["engines"] == {"prefill": "idle", "decode": "idle"}
+            async with client.get(base + "/metrics") as r:
+                text = await r.text()
+                assert 'elastickv_router_ttft_seconds_count{model="pd"} 2.0' in text
+                assert 'elastickv_router_requests_total{model="pd",status="502"} 1.0' in text
+        assert models["pd/prefill"].in_flight == models["pd/decode"].in_flight == 0
+        # A stopped engine of the pair: the pair reports it.
+        models["pd/prefill"].state = ModelState.STOPPED
+        assert PDPair("pd", models["pd/prefill"], models["pd/decode"]).state is ModelState.STOPPED
 
     run(check)

@@ -109,12 +109,82 @@ model = "tiny-llama-bf16"
         ({**mapping(model()), "router": {"prot": 1}}, "[router]: unknown field(s) prot"),
         ({**mapping(model()), "python": "/no/python"}, "python = '/no/python' is not an exec"),
         ({**mapping(model()), "extra": 1}, "the top level: unknown field(s) extra"),
+        (mapping(model(env={"ELASTICKV_BUDGET": "1G"})), "ELASTICKV_BUDGET is set by serve"),
+        (mapping(model(env={"BAD NAME": "1"})), "'BAD NAME' is not an environment variable"),
+        (mapping(model(env=["A=1"])), "env = ['A=1']: must be a table"),
+        (mapping(model(env={"A": [1]})), "env A = [1]: must be a string or a number"),
+        (mapping(model(pd="yes")), "pd = 'yes': use true, or a table"),
+        (mapping(model(pd={"prefil_args": []})), "unknown field(s) prefil_args"),
+        (mapping(model(pd={"decode_args": "--x"})), "decode_args = '--x': must be a list"),
+        (
+            mapping(model(pd={"prefill_env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "1"}})),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT is set by serve",
+        ),
+        (
+            mapping(model(pd=True, args=["--kv-transfer-config", "{}"])),
+            "args set --kv-transfer-config; a pd model's engines get theirs from serve",
+        ),
+        (
+            mapping(model(pd={"decode_args": ["--kv_transfer_config={}"]})),
+            "decode_args set --kv-transfer-config",
+        ),
+        (mapping(model(pd=True), model(name="a/prefill")), "model name 'a/prefill' is used"),
+        (mapping(model(name="b/prefill"), model(name="b", pd=True)), "used twice"),
     ],
 )
 def test_every_bad_field_is_named_with_its_value(data: dict[str, object], needle: str) -> None:
     with pytest.raises(ServeConfigError) as info:
         config_from_mapping(data, source="t.toml")
     assert needle in str(info.value)
+
+
+def test_a_pd_model_is_two_engines_under_one_name() -> None:
+    from elastickv.serve.engine import build_launch
+
+    pd = {
+        "decode_args": ["--max-num-seqs", "4"],
+        "prefill_env": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        "decode_env": {"VLLM_CPU_OMP_THREADS_BIND": 1},
+    }
+    data = mapping(
+        model(name="chat", pd=pd, args=["--enforce-eager"], env={"OMP": "2"}, min_kv="8M"),
+        model(name="other", min_kv="8M"),
+    )
+    config = config_from_mapping(data, source="t.toml")
+    assert config.names() == ["chat/prefill", "chat/decode", "other"]
+    assert config.served_names() == ["chat", "other"]
+    prefill, decode = config.pairs()["chat"]
+    assert (prefill.role, decode.role) == ("prefill", "decode")
+    assert prefill.served_name == decode.served_name == "chat"
+    assert prefill.args == ("--enforce-eager",)
+    assert decode.args == ("--enforce-eager", "--max-num-seqs", "4")
+    assert dict(prefill.env) == {"OMP": "2", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert dict(decode.env) == {"OMP": "2", "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    # Each engine has its own floor: both are reserved from the budget.
+    assert prefill.min_kv == decode.min_kv == 8 << 20
+    assert config_from_mapping(mapping(model(pd=True, min_kv="8M")), source="t").names() == [
+        "a/prefill",
+        "a/decode",
+    ]
+
+    launches = [
+        build_launch(config, m, python="py", model_path="/m", port=8000 + i, log_dir=Path("/l"))
+        for i, m in enumerate((prefill, decode))
+    ]
+    for launch, m in zip(launches, (prefill, decode), strict=True):
+        argv = list(launch.argv)
+        assert argv[argv.index("--served-model-name") + 1] == "chat"
+        assert '"kv_connector": "NixlConnector"' in argv[argv.index("--kv-transfer-config") + 1]
+        assert launch.env["ELASTICKV_INSTANCE"] == m.name
+        assert launch.env["VLLM_CPU_OMP_THREADS_BIND"] == dict(m.env)["VLLM_CPU_OMP_THREADS_BIND"]
+        assert launch.log_path.name == f"chat_{m.role}.log"
+    ports = {launch.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for launch in launches}
+    assert len(ports) == 2  # a NIXL side channel each
+    plain = build_launch(
+        config, config.model("other"), python="py", model_path="/m", port=1, log_dir=Path("/l")
+    )
+    assert "--kv-transfer-config" not in plain.argv
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in plain.env
 
 
 def test_model_directory_needs_a_config_json(tmp_path: Path) -> None:

@@ -58,7 +58,7 @@ assert _STATIC.size + _STATIC_CRC.size <= DYNAMIC_OFFSET
 assert DYNAMIC_OFFSET + DYNAMIC.size <= HEADER_SIZE
 assert _RECORD.size + _RECORD_CRC.size <= RECORD_SIZE
 
-_NAME = re.compile(r"^[\w.:@+\-]+$")
+_NAME = re.compile(r"^[\w.:@+\-/]+$")
 _DEVICE_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
@@ -67,10 +67,11 @@ class FormatError(ValueError):
 
 
 def validate_name(name: str) -> str:
-    """Names are typed on command lines: word characters and ``.:@+-``, at most 64 bytes."""
+    """Names are typed on command lines: word characters and ``.:@+-/`` (a served model name
+    such as ``org/model``, a P/D engine ``chat/prefill``), at most 64 bytes."""
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(
-            f"invalid instance name {name!r}: use letters, digits and . _ : @ + - (no spaces)"
+            f"invalid instance name {name!r}: use letters, digits and . _ : @ + - / (no spaces)"
         )
     if len(name.encode()) > NAME_BYTES:
         raise ValueError(f"instance name {name!r} is longer than {NAME_BYTES} bytes (utf-8)")

@@ -27,6 +27,7 @@ from elastickv.serve.config import ModelConfig, ServeConfig
 from elastickv.serve.engine import EngineStartError, build_launch, free_port, log_path
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
+from elastickv.serve.pd import PDPair
 from elastickv.serve.python_env import EnginePythonError, find_engine_python
 from elastickv.serve.router import Router, upstream_session
 from elastickv.serve.state_file import remove_state, write_state
@@ -144,7 +145,8 @@ class ServeApp:
                 model.last_active = time.monotonic()
             logger.info(
                 "serving %s at %s/v1 (KV budget %s)",
-                ", ".join(self.models), self.url, format_bytes(self.config.budget),
+                ", ".join(self.config.served_names()), self.url,
+                format_bytes(self.config.budget),
             )  # fmt: skip
             await stop.wait()
         finally:
@@ -192,7 +194,11 @@ class ServeApp:
 
     async def _bind_router(self) -> None:
         assert self._session is not None
-        router = Router(self.models, self.metrics, self._session, self.describe)
+        pairs = {
+            name: PDPair(name, self.models[prefill.name], self.models[decode.name])
+            for name, (prefill, decode) in self.config.pairs().items()
+        }
+        router = Router(self.models, self.metrics, self._session, self.describe, pairs)
         self._runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -309,6 +315,8 @@ class ServeApp:
             models.append(
                 {
                     "name": m.name,
+                    "served_name": m.config.served_name,
+                    "role": m.config.role,
                     "state": m.state.value,
                     "source": m.config.source,
                     "engine_pid": None if m.engine is None else m.engine.pid,

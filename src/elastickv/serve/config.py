@@ -25,6 +25,17 @@ that names the field, the value and what is accepted.
     pinned = false                # never stopped
     release_after = "30s"         # idle time before its KV is released (tier 1)
     stop_after = "10m"            # idle time before its engine stops (tier 2), or "never"
+    env = { VLLM_CPU_OMP_THREADS_BIND = "0" }   # extra environment for its engine
+
+    [[model]]                     # one model as a prefill engine + a decode engine (NIXL)
+    name = "chat-pd"
+    model = "/models/llama"
+    pd = { prefill_env = { VLLM_CPU_OMP_THREADS_BIND = "0" },
+           decode_env = { VLLM_CPU_OMP_THREADS_BIND = "1" } }   # or: pd = true
+
+A ``pd`` model is served under its name and runs as two engines, ``<name>/prefill`` and
+``<name>/decode`` (each with the model's args, min_kv and max_kv, plus ``prefill_args`` /
+``decode_args`` and the ``*_env`` tables); the router does the two-step exchange.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +80,14 @@ class ModelConfig:
     release_after_s: float | None = DEFAULT_RELEASE_AFTER_S
     stop_after_s: float | None = DEFAULT_STOP_AFTER_S
     python: str | None = None  # the interpreter with vLLM; None: the serve-wide choice
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for the engine
+    role: str | None = None  # "prefill" or "decode": one engine of a P/D pair
+    group: str | None = None  # a P/D engine's pair: the name clients use
+
+    @property
+    def served_name(self) -> str:
+        """The name the engine answers to (a P/D engine: its pair's)."""
+        return self.group or self.name
 
     @property
     def builtin(self) -> bool:
@@ -112,6 +131,18 @@ class ServeConfig:
 
     def names(self) -> list[str]:
         return [m.name for m in self.models]
+
+    def pairs(self) -> dict[str, tuple[ModelConfig, ModelConfig]]:
+        """The P/D models: served name -> (prefill engine, decode engine)."""
+        found: dict[str, dict[str, ModelConfig]] = {}
+        for m in self.models:
+            if m.group is not None and m.role is not None:
+                found.setdefault(m.group, {})[m.role] = m
+        return {name: (roles["prefill"], roles["decode"]) for name, roles in found.items()}
+
+    def served_names(self) -> list[str]:
+        """What clients may put in a request's ``model`` field, in configuration order."""
+        return list(dict.fromkeys(m.served_name for m in self.models))
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -163,7 +194,13 @@ _MODEL_KEYS = {
     "release_after",
     "stop_after",
     "python",
+    "env",
+    "pd",
 }
+_PD_KEYS = {"prefill_args", "decode_args", "prefill_env", "decode_env"}
+PD_ROLES = ("prefill", "decode")
+# Set by serve for every engine; a configuration that sets them is refused.
+_SERVE_OWNED_ENV = ("ELASTICKV", "VLLM_NIXL_SIDE_CHANNEL_PORT")
 
 
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> ServeConfig:
@@ -193,7 +230,7 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: An
             f"{source}: no [[model]] tables; add at least one, e.g.\n"
             '[[model]]\nname = "tiny-llama"\nmodel = "tiny-llama"'
         )
-    models = tuple(_model(raw, i) for i, raw in enumerate(raw_models))
+    models = tuple(m for i, raw in enumerate(raw_models) for m in _models(raw, i))
     values: dict[str, Any] = {"models": models, "source": source}
     if "budget" not in device:
         raise ServeConfigError(
@@ -260,6 +297,81 @@ def _default_name(source: str) -> str:
     return os.path.basename(source.rstrip("/")) or source
 
 
+def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
+    """One ``[[model]]`` table: one model, or a P/D model's two engines."""
+    model = _model(raw, index)
+    if "pd" not in raw:
+        return (model,)
+    label = f"[[model]] #{index + 1} ({model.name!r}) pd"
+    pd = raw["pd"]
+    if pd is True:
+        pd = {}
+    if not isinstance(pd, Mapping):
+        raise ServeConfigError(
+            f"{label} = {pd!r}: use true, or a table with {', '.join(sorted(_PD_KEYS))}"
+        )
+    _unknown(pd, _PD_KEYS, label)
+    if has_kv_transfer_config(model.args):
+        raise ServeConfigError(
+            f"{label}: args set --kv-transfer-config; a pd model's engines get theirs from serve "
+            "(NixlConnector); remove it"
+        )
+    engines = []
+    for role in PD_ROLES:
+        extra = _args(pd.get(f"{role}_args", []), f"{label} {role}_args")
+        if has_kv_transfer_config(extra):
+            raise ServeConfigError(
+                f"{label} {role}_args set --kv-transfer-config; serve sets it; remove it"
+            )
+        env = dict(model.env)
+        env.update(_env(pd.get(f"{role}_env", {}), f"{label} {role}_env"))
+        engines.append(
+            replace(
+                model,
+                name=f"{model.name}/{role}",
+                args=model.args + extra,
+                env=tuple(env.items()),
+                role=role,
+                group=model.name,
+            )
+        )
+    return tuple(engines)
+
+
+def has_kv_transfer_config(args: Sequence[str]) -> bool:
+    """Whether vLLM arguments set the KV connector (either spelling vLLM accepts)."""
+    names = ("--kv-transfer-config", "--kv_transfer_config")
+    return any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in args)
+
+
+def _args(value: Any, label: str) -> tuple[str, ...]:
+    if isinstance(value, str) or not isinstance(value, list):
+        raise ServeConfigError(
+            f'{label} = {value!r}: must be a list of strings, e.g. ["--max-model-len", "4096"]'
+        )
+    return tuple(_str(a, f"{label}[{i}]") for i, a in enumerate(value))
+
+
+def _env(value: Any, label: str) -> dict[str, str]:
+    if not isinstance(value, Mapping):
+        raise ServeConfigError(
+            f"{label} = {value!r}: must be a table of strings, e.g. "
+            '{ VLLM_CPU_OMP_THREADS_BIND = "0" }'
+        )
+    env = {}
+    for key, item in value.items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(key)):
+            raise ServeConfigError(f"{label}: {key!r} is not an environment variable name")
+        if key.startswith("ELASTICKV") or key in _SERVE_OWNED_ENV:
+            raise ServeConfigError(
+                f"{label}: {key} is set by serve from the configuration; remove it"
+            )
+        if isinstance(item, bool) or not isinstance(item, str | int | float):
+            raise ServeConfigError(f"{label} {key} = {item!r}: must be a string or a number")
+        env[key] = str(item)
+    return env
+
+
 def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
     label = where or f"[[model]] #{index + 1}"
     if not isinstance(raw, Mapping):
@@ -278,13 +390,9 @@ def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
         "name": _str(raw.get("name", _default_name(source)), f"{label} name"),
     }
     if "args" in raw:
-        args = raw["args"]
-        if isinstance(args, str) or not isinstance(args, list):
-            raise ServeConfigError(
-                f"{label} args = {args!r}: must be a list of strings, e.g. "
-                '["--max-model-len", "4096"]'
-            )
-        values["args"] = tuple(_str(a, f"{label} args[{i}]") for i, a in enumerate(args))
+        values["args"] = _args(raw["args"], f"{label} args")
+    if "env" in raw:
+        values["env"] = tuple(_env(raw["env"], f"{label} env").items())
     if "min_kv" in raw:
         values["min_kv"] = _size(raw["min_kv"], f"{label} min_kv")
     if "max_kv" in raw:
@@ -324,6 +432,11 @@ def _validate(config: ServeConfig) -> None:
         if m.name in seen:
             raise ServeConfigError(f"model name {m.name!r} is used twice; served names must differ")
         seen.add(m.name)
+        if m.group is not None and m.group in {o.name for o in config.models}:
+            raise ServeConfigError(
+                f"model name {m.group!r} is used twice (a pd model and another model); served "
+                "names must differ"
+            )
         _check_source(m)
         if m.min_kv < config.page_size:
             raise ServeConfigError(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -31,6 +32,11 @@ PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
 # is set by serve from the configuration.
 PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
+# The KV connector of a P/D model's engines: NIXL, host buffers (vLLM's CPU backend reads and
+# writes the KV cache in place).
+PD_KV_TRANSFER_CONFIG = json.dumps(
+    {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+)
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -80,12 +86,19 @@ def build_launch(
     starting limit and its cap as the virtual KV capacity vLLM sees. ``--kv-cache-memory-bytes``
     (the cap) skips vLLM's start-up check of free host memory, which a second engine on the
     same host would otherwise fail. In static mode (a baseline) the engine is native vLLM
-    whose KV cache is its fixed share of the budget."""
+    whose KV cache is its fixed share of the budget.
+
+    The engines of a P/D model answer to their pair's name and get vLLM's NixlConnector
+    (``kv_both``: the router decides which engine prefills) with a NIXL side channel port of
+    their own."""
     cap = config.cap_of(model)
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path]
-    argv += ["--served-model-name", model.name, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--served-model-name", model.served_name, "--host", "127.0.0.1"]
+    argv += ["--port", str(port)]
     if not has_option(model.args, "--kv-cache-memory-bytes"):
         argv += ["--kv-cache-memory-bytes", str(cap)]
+    if model.role is not None:
+        argv += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
     argv += list(model.args)
     env = {
         k: v
@@ -93,6 +106,9 @@ def build_launch(
         if not k.startswith("ELASTICKV")
     }
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.update(model.env)
+    if model.role is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     if config.static:  # the baseline: native vLLM with its fixed share of the budget
         return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
     env.update(

@@ -1,6 +1,7 @@
 """The one OpenAI endpoint in front of every served model (aiohttp).
 
-Routes by the request's ``model`` field. An unknown model is an OpenAI-style 404 that lists
+Routes by the request's ``model`` field; a P/D model's requests go through the two-step
+exchange of :mod:`elastickv.serve.pd`. An unknown model is an OpenAI-style 404 that lists
 the served ones; a model that cannot take the request says why (429 with ``Retry-After``
 while its wake queue is full, 503 when it failed); whatever the engine answers — status,
 error body, a token stream — passes through unchanged. A client that disconnects cancels its
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from elastickv.serve.metrics import CONTENT_TYPE, ServeMetrics
 from elastickv.serve.model import ServedModel, Unavailable
+from elastickv.serve.pd import PDPair, decode_request, prefill_request, transfer_params_of
 
 logger = logging.getLogger("elastickv.serve")
 FORWARDED_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -60,12 +62,17 @@ class Router:
         metrics: ServeMetrics,
         session: aiohttp.ClientSession,
         describe: Callable[[], dict[str, Any]],
+        pairs: Mapping[str, PDPair] | None = None,
     ) -> None:
-        self.models = models
+        self.models = {n: m for n, m in models.items() if m.config.group is None}
+        self.pairs = dict(pairs or {})
         self.metrics = metrics
         self.session = session
         self.describe = describe
         self.created = int(time.time())
+
+    def served_names(self) -> list[str]:
+        return [*self.models, *self.pairs]
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 << 20)
@@ -77,18 +84,25 @@ class Router:
         return app
 
     async def list_models(self, request: web.Request) -> web.Response:
-        data = [
-            {
-                "id": m.name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "elastickv",
-                "root": m.config.source,
-                "state": m.state.value,
+        data = [self._listing(m.name, m.config.source, m.state.value) for m in self.models.values()]
+        for pair in self.pairs.values():
+            entry = self._listing(pair.name, pair.decode.config.source, pair.state.value)
+            entry["engines"] = {
+                "prefill": pair.prefill.state.value,
+                "decode": pair.decode.state.value,
             }
-            for m in self.models.values()
-        ]
+            data.append(entry)
         return web.json_response({"object": "list", "data": data})
+
+    def _listing(self, name: str, source: str, state: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "elastickv",
+            "root": source,
+            "state": state,
+        }
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.describe()})
@@ -114,17 +128,23 @@ class Router:
                 param="model",
             )
         model = self.models.get(name)
-        if model is None:
+        pair = self.pairs.get(name)
+        if model is None and pair is None:
+            served = ", ".join(self.served_names())
             return error_response(
                 404,
-                f"The model `{name}` does not exist. Served models: {', '.join(self.models)}",
+                f"The model `{name}` does not exist. Served models: {served}",
                 "NotFoundError",
                 param="model",
             )
         try:
-            async with model.serving() as queued:
-                self.metrics.queued.labels(name).observe(queued)
-                response = await self._proxy(request, model, body, arrived)
+            if pair is not None:
+                response = await self._forward_pd(request, pair, payload, arrived)
+            else:
+                assert model is not None
+                async with model.serving() as queued:
+                    self.metrics.queued.labels(name).observe(queued)
+                    response = await self._proxy(request, model, body, arrived)
         except Unavailable as exc:
             headers = None
             if exc.retry_after is not None:
@@ -135,10 +155,67 @@ class Router:
         self.metrics.requests.labels(name, str(response.status)).inc()
         return response
 
-    async def _proxy(
-        self, request: web.Request, model: ServedModel, body: bytes, arrived: float
+    async def _forward_pd(
+        self, request: web.Request, pair: PDPair, payload: dict[str, Any], arrived: float
     ) -> web.StreamResponse:
+        """The two-step exchange (see :mod:`elastickv.serve.pd`). Each engine is held only
+        for its own step; a prefill error goes back to the client as the engine gave it."""
+        async with pair.prefill.serving() as queued:
+            answer = await self._prefill(request, pair, payload)
+        if isinstance(answer, web.StreamResponse):
+            return answer
+        body = json.dumps(decode_request(payload, answer)).encode()
+        async with pair.decode.serving() as waited:
+            self.metrics.queued.labels(pair.name).observe(queued + waited)
+            return await self._proxy(request, pair.decode, body, arrived, label=pair.name)
+
+    async def _prefill(
+        self, request: web.Request, pair: PDPair, payload: dict[str, Any]
+    ) -> dict[str, Any] | web.StreamResponse:
+        """The prefill step: its answer's ``kv_transfer_params``, or the response that ends
+        the request (the engine's own error, or a 502)."""
+        url = pair.prefill.url
+        if url is None:
+            return self._engine_lost(pair.prefill, "has no engine")
+        try:
+            async with self.session.post(
+                url + request.path, json=prefill_request(payload)
+            ) as upstream:
+                data = await upstream.read()
+                status = upstream.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
+            return self._engine_lost(
+                pair.prefill, f"closed the connection ({exc.__class__.__name__})"
+            )
+        if status != 200:
+            return web.Response(status=status, body=data, content_type="application/json")
+        try:
+            params = transfer_params_of(json.loads(data))
+        except ValueError:
+            params = None
+        if params is None:
+            logger.warning("%s: the prefill engine answered without kv_transfer_params", pair.name)
+            return error_response(
+                502,
+                f"the prefill engine of model {pair.name!r} answered without kv_transfer_params "
+                "(is its KV connector NIXL?); see its log",
+                "engine_failed",
+            )
+        return params
+
+    async def _proxy(
+        self,
+        request: web.Request,
+        model: ServedModel,
+        body: bytes,
+        arrived: float,
+        *,
+        label: str | None = None,
+    ) -> web.StreamResponse:
+        """Forward ``body`` to ``model``'s engine; metrics under ``label`` (default: the
+        model's name)."""
         url = model.url
+        name = label or model.name
         if url is None:
             return self._engine_lost(model, "has no engine")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}
@@ -152,19 +229,19 @@ class Router:
                     if k.lower() not in _HOP_HEADERS and k.lower() != "content-encoding"
                 }
                 if upstream.content_type == "text/event-stream":
-                    return await self._stream(request, model, upstream, passed, arrived)
+                    return await self._stream(request, name, upstream, passed, arrived)
                 data = await upstream.read()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             return self._engine_lost(model, f"closed the connection ({exc.__class__.__name__})")
         elapsed = time.monotonic() - arrived
-        self.metrics.ttft.labels(model.name).observe(elapsed)
-        self.metrics.e2e.labels(model.name).observe(elapsed)
+        self.metrics.ttft.labels(name).observe(elapsed)
+        self.metrics.e2e.labels(name).observe(elapsed)
         return web.Response(status=upstream.status, body=data, headers=passed)
 
     async def _stream(
         self,
         request: web.Request,
-        model: ServedModel,
+        name: str,
         upstream: aiohttp.ClientResponse,
         headers: dict[str, str],
         arrived: float,
@@ -175,21 +252,21 @@ class Router:
         try:
             async for chunk in upstream.content.iter_any():
                 if first:
-                    self.metrics.ttft.labels(model.name).observe(time.monotonic() - arrived)
+                    self.metrics.ttft.labels(name).observe(time.monotonic() - arrived)
                     first = False
                 await response.write(chunk)
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-            logger.warning("%s: engine closed a stream mid-way (%s)", model.name, exc)
+            logger.warning("%s: engine closed a stream mid-way (%s)", name, exc)
             event = {
                 "error": {
-                    "message": f"the engine of model {model.name!r} failed while streaming; "
+                    "message": f"the engine of model {name!r} failed while streaming; "
                     "it is being restarted",
                     "type": "engine_failed",
                     "code": 502,
                 }
             }
             await response.write(f"data: {json.dumps(event)}\n\n".encode())
-        self.metrics.e2e.labels(model.name).observe(time.monotonic() - arrived)
+        self.metrics.e2e.labels(name).observe(time.monotonic() - arrived)
         await response.write_eof()
         return response
 
