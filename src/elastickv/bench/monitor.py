@@ -11,6 +11,7 @@ import contextlib
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -104,3 +105,45 @@ class Monitor:
                 totals: dict[str, float] = getattr(self, counter)
                 totals[name] = totals.get(name, 0.0) + grown
             self._last[key] = value
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One Prometheus histogram from a scrape, summed over its label sets: ``buckets`` are
+    (upper bound, cumulative count), ascending, ``+Inf`` last."""
+
+    sum: float = 0.0
+    count: float = 0.0
+    buckets: tuple[tuple[float, float], ...] = ()
+
+    def __sub__(self, before: Histogram) -> Histogram:
+        """What was observed since ``before`` (an earlier scrape of the same process)."""
+        earlier = dict(before.buckets)
+        return Histogram(
+            self.sum - before.sum,
+            self.count - before.count,
+            tuple((le, n - earlier.get(le, 0.0)) for le, n in self.buckets),
+        )
+
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$")
+_LE = re.compile(r'(?:^|,)le="([^"]+)"')
+
+
+def histogram(text: str, name: str) -> Histogram:
+    """The histogram ``name`` in a ``/metrics`` text (all zero if absent)."""
+    total = count = 0.0
+    buckets: dict[float, float] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match:
+            continue
+        metric, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        if metric == name + "_sum":
+            total += value
+        elif metric == name + "_count":
+            count += value
+        elif metric == name + "_bucket" and (le := _LE.search(labels)):
+            bound = float(le.group(1))
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    return Histogram(total, count, tuple(sorted(buckets.items())))

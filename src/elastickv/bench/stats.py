@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -59,3 +60,22 @@ def ratio(static: float | None, elastic: float | None) -> float | None:
     if static is None or elastic is None or elastic <= 0:
         return None
     return static / elastic
+
+
+def bucket_quantile(buckets: Sequence[tuple[float, float]], q: float) -> float | None:
+    """The ``q`` quantile (0..1) of a histogram's (upper bound, cumulative count) buckets,
+    interpolated linearly within its bucket as Prometheus' ``histogram_quantile`` does: an
+    estimate, no finer than the bucket bounds. None without observations; the highest finite
+    bound if it falls in ``+Inf``."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for bound, cumulative in buckets:
+        if cumulative >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = cumulative - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, cumulative
+    return lower

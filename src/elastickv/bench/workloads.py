@@ -106,3 +106,20 @@ def idle_gaps(
 
 
 WORKLOADS = {"ramp": staggered_ramp, "correlated": correlated_burst, "idle": idle_gaps}
+
+
+def batch(
+    model: str, requests: int, *, prompt_tokens: tuple[int, int], max_tokens: int, seed: int = 0
+) -> list[Arrival]:
+    """``requests`` requests all due at once (for a closed loop), prompts of a seeded length
+    in ``prompt_tokens`` (inclusive), every answer ``max_tokens`` long."""
+    rng = random.Random(seed)
+    return [
+        Arrival(
+            0.0,
+            model,
+            tuple(rng.randrange(*TOKEN_RANGE) for _ in range(rng.randint(*prompt_tokens))),
+            max_tokens,
+        )
+        for _ in range(requests)
+    ]
