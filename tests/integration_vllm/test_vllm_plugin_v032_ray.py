@@ -114,27 +114,27 @@ def ray_env() -> Iterator[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def ray_runs(runs: EngineRuns, ray_env: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Native TP=2 (multiprocess executor), then elastic and native TP=2 on Ray, one at a
-    time; each run must leave no process of its own behind."""
+    """Native TP=2 (multiprocess executor, the TP tests' run), then elastic TP=2 on Ray; the
+    Ray run must leave no process of its own behind. (Native vLLM on Ray through the same
+    shim gave the same ids as the multiprocess executor when this test was written; it is not
+    rerun each time, the suite's minutes go to elastic runs.)"""
     result = {"native_mp": runs("tiny-llama", *MP_ARGS, **BIND)}
-    for name, extra in (("elastic", ELASTIC), ("native", {})):
-        result[name] = runs("tiny-llama", *RAY_ARGS, **ray_env["env"], **extra)
-        deadline = time.monotonic() + 30
-        while (left := _mine(TOKEN)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        result[name]["left_after_exit"] = [" ".join(p.cmdline())[:120] for p in left]
-        run = result[name]
-        print(f"\n[vllm-ray {name}] startup {run['startup_s']} s, wall {run['wall_s']} s")
+    run = result["elastic"] = runs("tiny-llama", *RAY_ARGS, **ray_env["env"], **ELASTIC)
+    deadline = time.monotonic() + 30
+    while (left := _mine(TOKEN)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    run["left_after_exit"] = [" ".join(p.cmdline())[:120] for p in left]
+    print(f"\n[vllm-ray elastic] startup {run['startup_s']} s, wall {run['wall_s']} s")
     return result
 
 
 def test_ray_tp2_outputs_identical_to_native_tp2(ray_runs: dict[str, dict[str, Any]]) -> None:
-    native, elastic, native_ray = ray_runs["native_mp"], ray_runs["elastic"], ray_runs["native"]
-    assert elastic["elastic"] and not native["elastic"] and not native_ray["elastic"]
+    native, elastic = ray_runs["native_mp"], ray_runs["elastic"]
+    assert elastic["elastic"] and not native["elastic"]
     assert len(native["functional"]) == 8
-    assert elastic["functional"] == native["functional"] == native_ray["functional"]
+    assert elastic["functional"] == native["functional"]
     assert len(elastic["concurrent"]) == 16 and all(len(t) == 64 for t in elastic["concurrent"])
-    assert elastic["concurrent"] == native["concurrent"] == native_ray["concurrent"]
+    assert elastic["concurrent"] == native["concurrent"]
 
 
 def test_ray_tp2_each_rank_footprint_is_what_the_scheduler_committed(
@@ -152,5 +152,4 @@ def test_ray_tp2_each_rank_footprint_is_what_the_scheduler_committed(
 
 def test_ray_runs_leave_no_process(ray_runs: dict[str, dict[str, Any]]) -> None:
     """Ray's GCS, raylet and workers, and vLLM's processes, end with the runner."""
-    for name in ("elastic", "native"):
-        assert ray_runs[name]["left_after_exit"] == [], name
+    assert ray_runs["elastic"]["left_after_exit"] == []

@@ -5,9 +5,10 @@ two engines as an interoperability check.
 
 The reference is one engine: the prefill engine itself, asked directly without transfer
 parameters (it computes the prompt and generates). Not the decode engine: its prefix cache
-would then hold the prompts, and the P/D requests would read little over NIXL. The tiny
-model is float32, so greedy ids do not depend on how requests are batched. The engines run
-on one core each.
+would then hold the prompts, and the P/D requests would read little over NIXL. The engines
+run float32 (greedy ids that do not depend on how requests are batched; vLLM would pick
+bfloat16 for the tiny model on the CPU, and a bfloat16 decode worker with NIXL's layout died of
+SIGILL at its first read here), on one core each.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ pytestmark = pytest.mark.vllm
 
 NAME = "pd"
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "512", "--block-size", "32", "--seed", "0"]
+ENGINE_ARGS += ["--dtype", "float32"]
 PAGE = 32 << 10
 MIN_KV = 1 << 20
 BUDGET = 4 << 20
