@@ -78,6 +78,17 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: object) -> None:
     assert pool.elastic_stats()["parked_blocks"] == 0  # type: ignore[attr-defined]
 
 
+def test_a_refused_backing_asks_the_allocator_once(pool: object) -> None:
+    """A request that cannot be backed (budget full, nothing parked to evict) is one refusal
+    in the allocator's books, not two: the stash was empty, so the first answer stands until
+    parked blocks were evicted."""
+    assert allocate(pool, 4, []) is not None  # null block + 4 = the 5-page budget
+    before = pool.allocator.stats().refusals  # type: ignore[attr-defined]
+    assert allocate(pool, 1, []) is None
+    assert pool.allocator.stats().refusals == before + 1  # type: ignore[attr-defined]
+    assert pool.elastic_stats()["stash_blocks"] == 0  # type: ignore[attr-defined]
+
+
 def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     """A waiting request is admitted only if the running ones can still take their next
     block (one each): otherwise a limit that holds exactly N prompts admits N, none can

@@ -163,6 +163,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if got is not None:
                 self._stash = got
                 return True
+            # Refused: make room before asking again (one refusal per attempt, as below).
+            if not self._evict_parked(need):
+                return False
         self._trim_stash(need)
         short = need - len(self._stash)
         while short > 0:
