@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -160,12 +161,18 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float |
 
 
 class LedgerSampler:
-    """Samples the ledger every ``interval`` s in a thread: per-instance used bytes and limits."""
+    """Samples the ledger every ``interval`` s in a thread: per-instance used bytes and limits;
+    also the largest kernel footprint seen of each file in ``files`` (e.g. an engine's KV
+    memfd under ``/proc``), in ``peak_footprint``."""
 
-    def __init__(self, ledger_dir: Path, interval: float = 0.02) -> None:
+    def __init__(
+        self, ledger_dir: Path, interval: float = 0.02, files: tuple[str, ...] = ()
+    ) -> None:
         self.ledger_dir = ledger_dir
         self.interval = interval
         self.samples: list[dict[str, tuple[int, int | None]]] = []
+        self.files = files
+        self.peak_footprint = dict.fromkeys(files, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -176,6 +183,10 @@ class LedgerSampler:
                 self.samples.append(
                     {i.name: (i.used_bytes, i.limit_desired) for i in snap.instances}
                 )
+                for path in self.files:
+                    with contextlib.suppress(OSError):
+                        footprint = os.stat(path).st_blocks * 512
+                        self.peak_footprint[path] = max(self.peak_footprint[path], footprint)
                 time.sleep(self.interval)
 
     def __enter__(self) -> LedgerSampler:

@@ -238,10 +238,11 @@ def serve_run(
         # 2. Both models under load at once, on a budget that fits one burst, not both.
         fds = pool_fds(session_processes(describe(base)["alpha"]["engine_pid"]))
         pool = next(iter(fds.values()))[0]
-        with LedgerSampler(ledger_dir) as sampler:
+        with LedgerSampler(ledger_dir, files=(pool,)) as sampler:
             load = [(n, rq) for n in MODELS for rq in workload(n)["load"]]
             replies = post_all(base, [rq for _, rq in load])
-            r["alpha_busy_footprint"] = os.stat(pool).st_blocks * 512
+            # Sampled while it served: alpha may finish, idle and release before beta is done.
+            r["alpha_busy_footprint"] = sampler.peak_footprint[pool]
             # Sampling goes on while the models go idle and release: limits come down again.
             r["released_after_s"] = wait_until(
                 lambda: {m["state"] for m in describe(base).values()} == {"kv-released"}, 30
