@@ -148,6 +148,20 @@ class AllocatorMachine(RuleBasedStateMachine):
             del self.requests[index]
 
     @rule(data=st.data())
+    @precondition(lambda self: bool(self.requests))
+    def free_batch(self, data: st.DataObject) -> None:
+        """What the vLLM block pool hands over after a scheduler step: several requests'
+        blocks in one call, each request's in reverse (vLLM frees tail blocks first)."""
+        chosen = data.draw(
+            st.lists(st.integers(0, len(self.requests) - 1), min_size=1, max_size=4, unique=True)
+        )
+        gone = [b for index in chosen for b in reversed(self.requests[index])]
+        for block in gone:
+            self.check_tag(block)
+        self.alloc.free(gone)
+        self.requests = [r for i, r in enumerate(self.requests) if i not in set(chosen)]
+
+    @rule(data=st.data())
     def free_invalid(self, data: st.DataObject) -> None:
         live = self.alloc.live_blocks()
         candidates = [b for b in range(self.geometry.num_blocks) if b not in live]

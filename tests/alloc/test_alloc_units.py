@@ -106,6 +106,33 @@ def test_freed_memory_really_leaves(vrange: HostRange) -> None:
         assert vrange.footprint_bytes() == 2 * PAGE
 
 
+def test_one_free_over_several_slabs_drains_the_slab_being_filled(vrange: HostRange) -> None:
+    """A request's blocks freed in reverse, spanning the slab being filled (the cursor) and
+    another: the cursor slab goes idle, returns to the buckets and its pages leave."""
+    with BlockAllocator(GEOMETRY, vrange, max_hot_pages=0) as alloc:
+        slab_of = alloc.page_map.block_slab
+        first = alloc.allocate(7)  # the rest of the null block's slab
+        prompt = alloc.allocate(3)  # a fresh slab
+        grown = alloc.allocate(2)  # the same slab, which is now being filled
+        more = alloc.allocate(1)
+        assert first and prompt and grown and more
+        assert len({slab_of[b] for b in prompt + grown + more}) == 1
+        assert vrange.footprint_bytes() == 4 * PAGE
+        alloc.free([*reversed(prompt + grown + more), *reversed(first[:2])])
+        assert alloc.live_blocks() == set(first[2:])
+        assert alloc.committed_pages() == alloc.null_block_pages()
+        assert vrange.footprint_bytes() == 2 * PAGE
+        assert alloc.num_free_blocks == GEOMETRY.num_blocks - 1 - 5
+        again = alloc.allocate(8)  # a whole slab: its pages are committed again
+        assert again is not None and len({slab_of[b] for b in again}) == 1
+        assert vrange.footprint_bytes() == 4 * PAGE
+        with pytest.raises(ValueError):
+            alloc.free([again[0], again[1], again[0]])  # repeated: nothing is freed
+        with pytest.raises(ValueError):
+            alloc.free([again[0], prompt[0]])  # not live: nothing is freed
+        assert alloc.live_blocks() == set(first[2:]) | set(again)
+
+
 def test_every_layout_releases_to_the_null_pages() -> None:
     for name, geometry in small_geometries().items():
         with HostBackend(page_size=PAGE).reserve(geometry.backing_bytes) as vrange:

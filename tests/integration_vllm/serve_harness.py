@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -98,6 +99,47 @@ def chat(model: str, content: str, max_tokens: int, **extra: Any) -> dict[str, A
     }  # fmt: skip
 
 
+def top_logprobs(reply: Reply) -> list[dict[int, float]] | None:
+    """Per generated token of a completion, the logprobs vLLM returned (the chosen token and
+    the most likely ones) by token id; None if the request did not ask for them (it needs
+    ``logprobs`` and ``return_tokens_as_token_ids``)."""
+    if reply.body is None or not reply.body["choices"][0].get("logprobs"):
+        return None
+    steps = reply.body["choices"][0]["logprobs"]["top_logprobs"]
+    return [{int(k.removeprefix("token_id:")): v for k, v in step.items()} for step in steps]
+
+
+def greedy_mismatch(
+    want_ids: list[int],
+    want_top: list[dict[int, float]],
+    got_ids: list[int],
+    got_top: list[dict[int, float]],
+    tie: float,
+) -> str | None:
+    """Whether ``got_ids`` is what greedy decoding gives, judged against a reference run of the
+    same request; None if so, else where and why not.
+
+    Greedy ids are a function of the logits only up to rounding, and rounding depends on the
+    batch a token was computed in. So: up to the first token where the runs differ, every
+    token and its logprob must agree (within ``tie``); at that token both runs must have seen
+    the two candidates within ``tie`` of each other (a near-tie that another batch may break
+    either way). After it the two contexts differ and nothing more is compared."""
+    if len(got_ids) != len(want_ids) or len(got_top) != len(got_ids):
+        return f"{len(got_ids)} tokens, expected {len(want_ids)}"
+    for k, (want, got) in enumerate(zip(want_ids, got_ids, strict=True)):
+        mine, theirs = got_top[k], want_top[k]
+        if want == got:
+            if abs(mine[got] - theirs[want]) > tie:
+                return f"token {k} ({got}): logprob {mine[got]}, expected {theirs[want]}"
+            continue
+        if got not in theirs or want not in mine:
+            return f"token {k}: {got}, expected {want} (not a near-tie: {mine} vs {theirs})"
+        if theirs[want] - theirs[got] > tie or mine[got] - mine[want] > tie:
+            return f"token {k}: {got}, expected {want} (not a near-tie: {mine} vs {theirs})"
+        return None
+    return None
+
+
 def post_all(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Reply]:
     with ThreadPoolExecutor(max(1, len(requests))) as pool:
         return list(pool.map(lambda r: post(base, r[0], r[1]), requests))
@@ -119,12 +161,18 @@ def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float |
 
 
 class LedgerSampler:
-    """Samples the ledger every ``interval`` s in a thread: per-instance used bytes and limits."""
+    """Samples the ledger every ``interval`` s in a thread: per-instance used bytes and limits;
+    also the largest kernel footprint seen of each file in ``files`` (e.g. an engine's KV
+    memfd under ``/proc``), in ``peak_footprint``."""
 
-    def __init__(self, ledger_dir: Path, interval: float = 0.02) -> None:
+    def __init__(
+        self, ledger_dir: Path, interval: float = 0.02, files: tuple[str, ...] = ()
+    ) -> None:
         self.ledger_dir = ledger_dir
         self.interval = interval
         self.samples: list[dict[str, tuple[int, int | None]]] = []
+        self.files = files
+        self.peak_footprint = dict.fromkeys(files, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -135,6 +183,10 @@ class LedgerSampler:
                 self.samples.append(
                     {i.name: (i.used_bytes, i.limit_desired) for i in snap.instances}
                 )
+                for path in self.files:
+                    with contextlib.suppress(OSError):
+                        footprint = os.stat(path).st_blocks * 512
+                        self.peak_footprint[path] = max(self.peak_footprint[path], footprint)
                 time.sleep(self.interval)
 
     def __enter__(self) -> LedgerSampler:

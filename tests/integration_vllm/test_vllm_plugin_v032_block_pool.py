@@ -10,6 +10,7 @@ again, and the engine died with "remove() called on an invalid block" (seen unde
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -77,6 +78,17 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: object) -> None:
     assert pool.elastic_stats()["parked_blocks"] == 0  # type: ignore[attr-defined]
 
 
+def test_a_refused_backing_asks_the_allocator_once(pool: object) -> None:
+    """A request that cannot be backed (budget full, nothing parked to evict) is one refusal
+    in the allocator's books, not two: the stash was empty, so the first answer stands until
+    parked blocks were evicted."""
+    assert allocate(pool, 4, []) is not None  # null block + 4 = the 5-page budget
+    before = pool.allocator.stats().refusals  # type: ignore[attr-defined]
+    assert allocate(pool, 1, []) is None
+    assert pool.allocator.stats().refusals == before + 1  # type: ignore[attr-defined]
+    assert pool.elastic_stats()["stash_blocks"] == 0  # type: ignore[attr-defined]
+
+
 def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     """A waiting request is admitted only if the running ones can still take their next
     block (one each): otherwise a limit that holds exactly N prompts admits N, none can
@@ -107,3 +119,74 @@ def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     assert admission_headroom(manager, preempted) == 1
     assert admission_headroom(manager, growing) == 0
     assert admission_headroom(SimpleNamespace(), waiting) == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool) -> None:
+    """Random allocations, growth and frees (reversed per request, as the scheduler issues
+    them; in batches or one by one) on the elastic pool and on vLLM's own: the same free
+    count and reference counts after every step, every block in use or parked is live in the
+    allocator and every other block is free there, and reused blocks lose their hash."""
+    import random
+
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    geometry = KVCacheGeometry(
+        num_layers=1, num_blocks=48, num_kv_heads=1, block_size=16, head_size=PAGE // 128,
+        dtype="float32", layout="HND",
+    )  # fmt: skip
+    config = ElasticConfig(page_size=PAGE, hot_max_pages=2)
+    store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
+    REGISTRY.publish(store)
+    elastic = ElasticBlockPool(48, caching, 16)
+    native = BlockPool(48, caching, 16)
+    rng = random.Random(seed)
+    held: list[tuple[list[Any], list[Any]]] = []  # (elastic blocks, native blocks) per request
+    hashes = 0
+    try:
+        for _ in range(300):
+            roll = rng.random()
+            free_now = native.get_num_free_blocks()
+            if roll < 0.4 and free_now >= 4:
+                n = rng.randint(1, 4)
+                got = allocate(elastic, n, [])
+                assert got is not None and len(got) == n
+                held.append((got, native.get_new_blocks(n)))
+            elif roll < 0.6 and held and free_now >= 1:
+                mine, theirs = rng.choice(held)
+                got = allocate(elastic, 1, [])
+                assert got is not None
+                mine.extend(got)
+                theirs.extend(native.get_new_blocks(1))
+            elif held:
+                batch = rng.random() < 0.5
+                if batch:
+                    elastic.begin_free_batch()
+                for _ in range(min(len(held), rng.randint(1, 3))):
+                    mine, theirs = held.pop(rng.randrange(len(held)))
+                    if caching:  # full blocks enter the prefix cache: they are parked
+                        for block in mine[: rng.randint(0, len(mine))]:
+                            hashes += 1
+                            key = make_block_hash_with_group_id(
+                                BlockHash(hashes.to_bytes(32, "big")), 0
+                            )
+                            elastic._insert_block_hash(key, block, num_tokens=16)
+                    elastic.free_blocks(reversed(mine))
+                    native.free_blocks(reversed(theirs))
+                if batch:
+                    elastic.end_free_batch()
+            allocator = elastic.allocator
+            assert elastic.get_num_free_blocks() == native.get_num_free_blocks()
+            assert sorted(b.ref_cnt for b in elastic.blocks) == sorted(
+                b.ref_cnt for b in native.blocks
+            )
+            in_use = {b.block_id for b in elastic.blocks if b.ref_cnt > 0}
+            parked = set(elastic._parked)
+            assert allocator.live_blocks() == in_use | parked  # (the null block apart)
+            assert all(b.block_hash is None for r, _ in held for b in r if b.block_id not in parked)
+    finally:
+        elastic.close_elastic()

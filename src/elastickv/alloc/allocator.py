@@ -24,7 +24,6 @@ import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from itertools import groupby
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
@@ -38,6 +37,61 @@ if TYPE_CHECKING:
     from elastickv.vmm.base import VirtualRange
 
 NULL_BLOCK = 0
+
+
+class _TokenLock:
+    """A non-reentrant mutex whose uncontended acquire and release are one ``list.pop`` and
+    one ``list.append`` of a single token (each atomic). ``threading.Lock.acquire`` parses
+    its arguments on every call and costs several times more in CPython 3.11, as much as the
+    rest of a one-block allocation. A thread that finds the token taken waits on a condition;
+    the holder wakes it when it puts the token back.
+
+    Why no wake-up is lost: a waiter counts itself (under the condition's lock) before it
+    tries the token, and the holder puts the token back before it reads the count. Either
+    the holder sees the waiter and notifies it (under the same lock, so only once the waiter
+    waits), or the waiter counted itself after the token was back and takes it."""
+
+    __slots__ = ("_cond", "token", "waiters")
+
+    def __init__(self) -> None:
+        self.token: list[None] = [None]
+        self.waiters = 0
+        self._cond = threading.Condition(threading.Lock())
+
+    def acquire(self) -> None:
+        try:
+            self.token.pop()
+        except IndexError:
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until this thread holds the token (the contended path of an acquire)."""
+        with self._cond:
+            self.waiters += 1
+            try:
+                while True:
+                    try:
+                        self.token.pop()
+                        return
+                    except IndexError:
+                        self._cond.wait()
+            finally:
+                self.waiters -= 1
+
+    def release(self) -> None:
+        self.token.append(None)
+        if self.waiters:
+            self.wake()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def __enter__(self) -> None:
+        self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -119,7 +173,7 @@ class BlockAllocator:
         self._page_bytes = vmm_range.bytes_per_page
         self._min_hot = min_hot_pages
         self._max_hot = max_hot_pages
-        self._lock = threading.Lock()
+        self._lock = _TokenLock()
         self._closed = False
 
         num_slabs = pmap.num_slabs
@@ -151,7 +205,7 @@ class BlockAllocator:
             tuple(p for p in pages if len(pmap.page_slabs[p]) > 1) for pages in pmap.slab_pages
         )
         self._live: set[int] = set()
-        self._limit = geometry.num_blocks
+        self._limit = self._num_blocks = geometry.num_blocks
         widest = max(len(b) for b in pmap.slab_blocks)
         self._warm: list[dict[int, None]] = [{} for _ in range(widest + 1)]
         self._warm_mask = 0
@@ -301,11 +355,22 @@ class BlockAllocator:
     def allocate(self, n: int) -> list[int] | None:
         """``n`` free blocks, all backed by committed pages, or ``None`` if not possible now."""
         lock = self._lock
-        lock.acquire()
+        token = lock.token
+        try:
+            token.pop()  # :meth:`_TokenLock.acquire`, inlined
+        except IndexError:
+            lock.wait()
         try:
             cursor = self._cursor
             if cursor >= 0:
                 free = self._free[cursor]
+                if n == 1 and free:  # a decode step's block: no slicing
+                    block = free.pop()
+                    self._warm_free -= 1
+                    self._slab_live[cursor] += 1
+                    self._live.add(block)
+                    self._allocations += 1
+                    return [block]
                 if 0 < n <= len(free):
                     blocks = free[-n:]
                     del free[-n:]
@@ -352,7 +417,9 @@ class BlockAllocator:
                 self._precommit.wake()
             return blocks
         finally:
-            lock.release()
+            token.append(None)  # :meth:`_TokenLock.release`, inlined
+            if lock.waiters:
+                lock.wake()
 
     def _check_in(self) -> None:
         """Return the cursor slab to the buckets (before any path that reads them)."""
@@ -459,7 +526,11 @@ class BlockAllocator:
         and are released beyond it. Raises ``ValueError`` (freeing nothing) if any block is
         not live or repeats."""
         lock = self._lock
-        lock.acquire()
+        token = lock.token
+        try:
+            token.pop()
+        except IndexError:
+            lock.wait()
         try:
             live = self._live
             run: Collection[int] = blocks
@@ -488,16 +559,21 @@ class BlockAllocator:
                 if before - len(live) != len(blocks):
                     live.update(blocks)
                     raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
+                if (
+                    isinstance(blocks, list)
+                    and blocks
+                    and slab_of[blocks[0]] != slab_of[blocks[-1]]
+                ):
+                    # Several slabs for sure (a request's prompt and decode blocks, freed in
+                    # reverse): skip the one-slab test.
+                    self._free_slabs(blocks)
+                    self._frees += 1
+                    return
                 top = max(blocks)
                 slab = slab_of[top]
                 if not (self._contiguous_slabs and slab == slab_of[min(blocks)]):
-                    self._check_in()
-                    # Blocks usually come back in the slab runs they were handed out in; a
-                    # slab that appears in several runs is simply returned to more than once.
-                    for group_slab, group in groupby(blocks, key=self._block_slab.__getitem__):
-                        self._return_blocks(group_slab, list(group))
+                    self._free_slabs(blocks)
                     self._frees += 1
-                    self._cap_reserve()
                     return
             if slab == self._cursor:
                 free = self._free[slab]
@@ -517,7 +593,7 @@ class BlockAllocator:
                 self._frees += 1
                 self._cap_reserve()
                 return
-            # One slab (the common case): :meth:`_return_blocks`, inlined.
+            # One slab (the common case).
             free = self._free[slab]
             before = len(free)
             if top < self._limit:
@@ -543,7 +619,69 @@ class BlockAllocator:
                 self._last_live_gone(slab)
                 self._cap_reserve()
         finally:
-            lock.release()
+            token.append(None)
+            if lock.waiters:
+                lock.wake()
+
+    def _free_slabs(self, blocks: Collection[int]) -> None:
+        """Put back live blocks (already removed from ``_live``) that lie in several slabs,
+        e.g. a request's prompt and decode blocks, in the order vLLM frees them (reversed).
+
+        Blocks come back in the slab runs they were handed out in; the runs of one slab are
+        merged, and each slab moves between buckets once. The cursor slab stays checked out
+        while it keeps a live block, as on the single-slab paths."""
+        slab_of = self._block_slab
+        groups: dict[int, list[int]] = {}
+        group: list[int] = []
+        prev = -1
+        for block in blocks:  # a plain loop: cheaper than groupby for runs this short
+            slab = slab_of[block]
+            if slab != prev:
+                prev = slab
+                found = groups.get(slab)
+                if found is None:
+                    found = groups[slab] = []
+                group = found
+            group.append(block)
+        cursor = self._cursor
+        limit = self._limit
+        shrunk = limit < self._num_blocks
+        free_lists = self._free
+        slab_live = self._slab_live
+        warm = self._warm
+        went_idle = False
+        for slab, group in groups.items():
+            free = free_lists[slab]
+            before = len(free)
+            if shrunk:
+                free.extend(b for b in group if b < limit)
+            else:
+                free.extend(group)
+            after = len(free)
+            live = slab_live[slab] - len(group)
+            slab_live[slab] = live
+            if slab == cursor:
+                # Its free blocks are counted in ``_warm_free`` while it is checked out.
+                self._warm_free += after - before
+                if not live:
+                    self._check_in()
+                    self._last_live_gone(slab)
+                    went_idle = True
+                continue
+            if after != before:
+                if before:
+                    bucket = warm[before]
+                    del bucket[slab]
+                    if not bucket:
+                        self._warm_mask ^= 1 << before
+                warm[after][slab] = None
+                self._warm_mask |= 1 << after
+                self._warm_free += after - before
+            if not live:
+                self._last_live_gone(slab)
+                went_idle = True
+        if went_idle:
+            self._cap_reserve()
 
     def _cap_reserve(self) -> None:
         """After pages joined the reserve: release what is beyond its maximum. Freeing only
@@ -553,29 +691,6 @@ class BlockAllocator:
         if self._hot_own + len(self._hot_shared) > self._max_hot:
             with contextlib.suppress(ReleaseError):
                 self._shrink_hot(self._max_hot)
-
-    def _return_blocks(self, slab: int, blocks: Collection[int]) -> None:
-        """Put freed blocks of one live slab back (a live slab is warm: no missing pages)."""
-        free = self._free[slab]
-        before = len(free)
-        if max(blocks) < self._limit:
-            free.extend(blocks)
-        else:
-            free.extend(b for b in blocks if b < self._limit)
-        after = len(free)
-        warm = self._warm
-        if before:
-            bucket = warm[before]
-            del bucket[slab]
-            if not bucket:
-                self._warm_mask &= ~(1 << before)
-        if after:
-            warm[after][slab] = None
-            self._warm_mask |= 1 << after
-        self._warm_free += after - before
-        self._slab_live[slab] -= len(blocks)
-        if not self._slab_live[slab]:
-            self._last_live_gone(slab)
 
     def _last_live_gone(self, slab: int) -> None:
         """``slab`` lost its last live block: its (all committed) pages join the reserve."""

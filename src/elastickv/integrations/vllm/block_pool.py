@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # lock and checks the liveness of every instance, far too much for every step of a small
 # model; an operator's limit still lands within this interval.
 LIMIT_CHECK_INTERVAL_S = 0.05
+_NO_HITS: frozenset[int] = frozenset()
+_RUNNING = RequestStatus.RUNNING
 
 
 class ElasticCapacityError(RuntimeError):
@@ -73,10 +75,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._parked: dict[int, None] = {}  # LRU first
         self._stash: list[int] = []
         self._need: int | None = None
-        self._hits: frozenset[int] = frozenset()  # prefix hits the open window will touch
+        self._hits: frozenset[int] = _NO_HITS  # prefix hits the open window will touch
         self._in_window = False
         self._headroom = 0
         self._next_limit_check = 0.0
+        # Block ids freed while a batch is open (see :meth:`begin_free_batch`); None: none open.
+        self._free_batch: list[int] | None = None
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         if self.registration is not None:
@@ -102,7 +106,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._in_window = False
         self._headroom = 0
         self._need = None
-        self._hits = frozenset()
+        if self._hits:
+            self._hits = _NO_HITS
         if self._stash:
             self._trim_stash(0)
 
@@ -114,15 +119,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         take them back while the allocator hands them out again."""
         if self._in_window:
             self._need = num_blocks
-            self._hits = frozenset(
-                block.block_id for group in hits for block in group if block.ref_cnt == 0
-            )
+            groups = hits if isinstance(hits, (tuple, list)) else tuple(hits)
+            if any(groups):  # usually one empty list per group: nothing to build
+                self._hits = frozenset(
+                    block.block_id for group in groups for block in group if block.ref_cnt == 0
+                )
+            elif self._hits:
+                self._hits = _NO_HITS
 
     def get_num_free_blocks(self) -> int:
-        free = int(super().get_num_free_blocks())
-        need, self._need = self._need, None
+        free: int = self.free_block_queue.num_free_blocks  # vLLM's own answer, inlined
+        need = self._need
         if need is None or need > free:
+            self._need = None
             return free
+        self._need = None
         if self._back(need):
             if not self._headroom or self._room_for(self._headroom):
                 return free
@@ -145,6 +156,16 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def _back(self, need: int) -> bool:
         """Make the stash exactly ``need`` committed blocks; False (stash unchanged beyond a
         trim) when the policy or the commit refuses even after evicting parked blocks."""
+        if self._free_batch:
+            self._flush_frees()  # blocks freed earlier in this batch may be needed now
+        if not self._stash:  # the usual case: one allocator call
+            got = self.allocator.allocate(need)
+            if got is not None:
+                self._stash = got
+                return True
+            # Refused: make room before asking again (one refusal per attempt, as below).
+            if not self._evict_parked(need):
+                return False
         self._trim_stash(need)
         short = need - len(self._stash)
         while short > 0:
@@ -176,6 +197,31 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.allocator.free(victims)
         return True
 
+    # -- batched frees (scheduler hook) -----------------------------------------------------
+
+    def begin_free_batch(self) -> None:
+        """The scheduler starts processing a step's output, where every finished request
+        frees its blocks: collect the blocks that go back to the allocator and hand them over
+        in one call at :meth:`end_free_batch` (one lock and one pass over the slabs instead of
+        one per request). vLLM's own free queue is updated at once, as always."""
+        if self._free_batch is None:
+            self._free_batch = []
+
+    def end_free_batch(self) -> None:
+        """Hand the batch's blocks to the allocator and close the batch."""
+        try:
+            self._flush_frees()
+        finally:
+            self._free_batch = None
+
+    def _flush_frees(self) -> None:
+        batch = self._free_batch
+        if batch:
+            self._free_batch = []
+            if len(set(batch)) != len(batch):
+                batch = list(dict.fromkeys(batch))
+            self.allocator.free(batch)
+
     # -- live limits and shutdown (scheduler hooks) ------------------------------------------
 
     def sync_limit(self) -> int:
@@ -183,6 +229,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         evict parked prefix-cache blocks, while the ledger says the engine is over it. Once
         per scheduler step; reads the ledger at most every ``LIMIT_CHECK_INTERVAL_S``.
         Returns pages released."""
+        if self._free_batch:
+            self._flush_frees()
         if self.registration is None or self._in_window:
             return 0
         now = time.monotonic()
@@ -240,6 +288,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def close_elastic(self) -> None:
         """Engine shutdown: return every page and unregister from the ledger."""
+        self._flush_frees()
         self._trim_stash(0)
         if self.registration is not None:
             self.registration.close()  # closes the allocator first
@@ -249,40 +298,82 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     # -- vLLM's allocation and free paths ----------------------------------------------------
 
     def get_new_blocks(self, num_blocks: int) -> list[Any]:
-        if num_blocks > super().get_num_free_blocks():
+        """vLLM's ``get_new_blocks`` on the blocks elastickv backed (the stash) instead of the
+        free queue's first ones: they are taken out of the queue where they are, then treated
+        exactly as vLLM treats the blocks it pops (reuse watchers, cached hashes, ref
+        counts, metrics)."""
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        if len(self._stash) < num_blocks and not self._back(num_blocks):
-            raise ElasticCapacityError(
-                f"cannot back {num_blocks} KV blocks now: the capacity policy refused "
-                f"(committed {self.allocator.stats().committed_bytes} bytes)"
-            )
-        chosen, self._stash = self._stash[:num_blocks], self._stash[num_blocks:]
-        blocks = [self.blocks[b] for b in chosen]
-        taken = [b.block_id for b in blocks if b.ref_cnt != 0]
-        if taken:  # an accounting bug, never a silent double use of a block
-            raise AssertionError(f"elastickv backed blocks {taken} that vLLM already uses")
-        for block in blocks:
-            self.free_block_queue.remove(block)
-        self.free_block_queue.prepend_n(blocks)
-        got: list[Any] = super().get_new_blocks(num_blocks)
-        if sorted(b.block_id for b in got) != sorted(chosen):
-            raise AssertionError("vLLM's free queue did not return the blocks elastickv backed")
-        return got
+        stash = self._stash
+        if len(stash) < num_blocks:
+            if not self._back(num_blocks):
+                raise ElasticCapacityError(
+                    f"cannot back {num_blocks} KV blocks now: the capacity policy refused "
+                    f"(committed {self.allocator.stats().committed_bytes} bytes)"
+                )
+            stash = self._stash
+        if len(stash) == num_blocks:
+            chosen, self._stash = stash, []
+        else:
+            chosen = stash[:num_blocks]
+            del stash[:num_blocks]
+        every = self.blocks
+        ret = [every[b] for b in chosen]
+        remove = queue.remove
+        for block in ret:
+            if block.ref_cnt != 0:  # an accounting bug, never a silent double use of a block
+                raise AssertionError(
+                    f"elastickv backed block {block.block_id} that vLLM already uses"
+                )
+            remove(block)
+        if self._reuse_watchers:
+            self._notify_reuse(ret)
+        metrics = self.metrics_collector
+        if self.enable_caching:
+            evict = self._maybe_evict_cached_block
+            for block in ret:
+                evict(block)
+                block.ref_cnt += 1
+                if metrics:
+                    metrics.on_block_allocated(block)
+        else:
+            for block in ret:
+                block.ref_cnt += 1
+                if metrics:
+                    metrics.on_block_allocated(block)
+        return ret
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
         super().free_blocks(blocks)
+        self._released(blocks, check_pool=True)
+
+    def _released(self, blocks: list[Any], *, check_pool: bool) -> None:
+        """After vLLM's ``free_blocks``: blocks no request uses any more go back to the
+        allocator, unless vLLM may still hand them out as prefix hits (parked)."""
+        parked = self._parked
+        park = self.enable_caching
         released: list[int] = []
-        for block in {b.block_id: b for b in blocks}.values():
-            if block.pool is not None and block.pool is not self:
+        for block in blocks:
+            if block.ref_cnt != 0 or block.is_null:
                 continue
-            if block.ref_cnt != 0 or block.is_null or block.block_id in self._parked:
+            block_id = block.block_id
+            if block_id in parked or (
+                check_pool and block.pool is not None and block.pool is not self
+            ):
                 continue
-            if self.enable_caching and block.block_hash is not None:
-                self._parked[block.block_id] = None
+            if park and block.block_hash is not None:
+                parked[block_id] = None
             else:
-                released.append(block.block_id)
-        if released:
+                released.append(block_id)
+        if not released:
+            return
+        if len(released) > 1 and len(set(released)) != len(released):
+            released = list(dict.fromkeys(released))  # a block listed twice is freed once
+        if self._free_batch is not None:
+            self._free_batch.extend(released)
+        else:
             self.allocator.free(released)
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
@@ -334,6 +425,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def elastic_stats(self) -> dict[str, int]:
         """Counts a test or monitor can print: blocks by state, pages, kernel footprint."""
+        self._flush_frees()
         stats: AllocatorStats = self.allocator.stats()
         return {
             "live_blocks": stats.live_blocks,
@@ -351,11 +443,14 @@ def admission_headroom(manager: Any, request: Any) -> int:
     """Blocks to keep free when ``allocate_slots`` admits ``request``: one for every other
     request that holds blocks (each may need its next block within ``block_size`` tokens);
     0 for a running request's own growth, or when vLLM's internals are not as expected."""
-    if getattr(request, "status", RequestStatus.RUNNING) == RequestStatus.RUNNING:
+    status = getattr(request, "status", _RUNNING)
+    if status is _RUNNING or status == _RUNNING:  # identity first: the common, cheap case
         return 0
     try:
         holders = manager.coordinator.single_type_managers[0].req_to_blocks
     except (AttributeError, IndexError):
         return 0
-    request_id = getattr(request, "request_id", None)
-    return sum(1 for rid, blocks in holders.items() if blocks and rid != request_id)
+    holding: int = sum(map(bool, holders.values()))  # requests with blocks, counted in C
+    if holders.get(getattr(request, "request_id", None)):
+        holding -= 1  # not the request being admitted
+    return holding

@@ -28,16 +28,7 @@ class ElasticBlockPoolV028(ElasticBlockPool):
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         blocks = list(ordered_blocks)
         super(ElasticBlockPool, self).free_blocks(blocks)  # vLLM's own bookkeeping
-        released: list[int] = []
-        for block in {b.block_id: b for b in blocks}.values():
-            if block.ref_cnt != 0 or block.is_null or block.block_id in self._parked:
-                continue
-            if self.enable_caching and block.block_hash is not None:
-                self._parked[block.block_id] = None
-            else:
-                released.append(block.block_id)
-        if released:
-            self.allocator.free(released)
+        self._released(blocks, check_pool=False)
 
     def unpin_blocks(self, blocks: Iterable[Any], on_reuse: Any) -> None:
         raise NotImplementedError("vLLM 0.28 has no unpin_blocks")

@@ -9,9 +9,11 @@ Three touch points in ``vllm.v1.core``:
   happens before vLLM's fit check and unused backing is returned right after; admitting a
   waiting request also needs one block of headroom per request already holding blocks.
 
-And two on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
-engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`), ``shutdown`` returns the
-pages and unregisters the engine from the ledger.
+And three on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
+engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`), ``update_from_output``
+hands the blocks its finished requests free to the allocator in one batch
+(:meth:`ElasticBlockPool.begin_free_batch`), ``shutdown`` returns the pages and unregisters
+the engine from the ledger.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def install() -> None:
 
         return schedule
 
+    def update_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+            pool = _elastic_pool(self)
+            if pool is None:
+                return original(self, *args, **kwargs)
+            pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                pool.end_free_batch()
+
+        return update_from_output
+
     def shutdown_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -85,4 +100,5 @@ def install() -> None:
     wrap_method(kv_cache_coordinator.KVCacheCoordinator, "get_num_blocks_to_allocate", need_wrapper)
     wrap_method(kv_cache_manager.KVCacheManager, "allocate_slots", window_wrapper)
     wrap_method(scheduler.Scheduler, "schedule", schedule_wrapper)
+    wrap_method(scheduler.Scheduler, "update_from_output", update_wrapper)
     wrap_method(scheduler.Scheduler, "shutdown", shutdown_wrapper)
