@@ -63,7 +63,7 @@ from typing import Any
 import aiohttp
 
 from elastickv.bench.client import PrepareError, Result, run_closed
-from elastickv.bench.monitor import Histogram, histogram
+from elastickv.bench.monitor import Histogram, histogram, machine_report
 from elastickv.bench.stats import bucket_quantile, latency_summary
 from elastickv.bench.vllm_server import (
     HOST,
@@ -77,6 +77,7 @@ from elastickv.bench.vllm_server import (
     vllm_version,
 )
 from elastickv.bench.workloads import Arrival, batch
+from elastickv.serve.pd import PREFILL_TRANSFER_PARAMS
 
 BLOCK = 32
 PROMPT_TOKENS = (100, 300)
@@ -107,14 +108,6 @@ KV_TRANSFER = {
     "kv_role": "kv_both",
     "kv_buffer_device": "cpu",
     "kv_connector_extra_config": {"kv_lease_duration": 300},
-}
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 XFER_TIME = "vllm:nixl_xfer_time_seconds"
 POST_TIME = "vllm:nixl_post_time_seconds"
@@ -157,7 +150,7 @@ class Router:
             "prompt": list(arrival.prompt),
             "max_tokens": 1,
             "temperature": 0,
-            "kv_transfer_params": PREFILL_PARAMS,
+            "kv_transfer_params": PREFILL_TRANSFER_PARAMS,
         }
         start = time.monotonic()
         async with session.post(self.base + "/v1/completions", json=body) as response:
@@ -454,11 +447,7 @@ def main() -> int:
         ],
         "ledger_left": left_in_ledger,
         "passes": {side: runs[side]["passes"] for side in SIDES},
-        "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine_report(load_before),
         "wall_s": round(time.monotonic() - begin, 1),
     }
     if args.json:

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from elastickv.bench.monitor import machine_report
 from elastickv.bench.vllm_server import (
     HOST,
     Server,
@@ -425,11 +426,7 @@ def main() -> int:
         "targets": {"throughput_min": THROUGHPUT_TARGET, "ttft_max": TTFT_TARGET},
         "servers": [asdict(s) for s in started],
         "passes": [asdict(p) for p in passes],
-        "machine": {
-            "cpus": os.cpu_count(),
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
+        "machine": machine_report(load_before),
         "wall_s": round(time.monotonic() - begin, 1),
     }
     if args.json:

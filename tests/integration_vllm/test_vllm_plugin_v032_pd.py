@@ -47,6 +47,8 @@ from plugin_harness import (
     terminate,
 )
 
+from elastickv.serve.pd import prefill_request
+
 MAX_TOKENS = 16
 BLOCK = 32
 # vLLM's prefiller frees the blocks it keeps for a decoder when their lease runs out; a short
@@ -65,14 +67,6 @@ ENGINE: dict[str, str | None] = {
     "dtype": "float32",
     "kv-transfer-config": KV_TRANSFER,
     "gpu-memory-utilization": "0.2",
-}
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
 }
 # Each engine's own limit, 32 pages (1 MiB): the 16 concurrent reference prompts take 1.2 MiB
 # unlimited. The prefiller must hold every prompt it has prefilled until the decoder reads it:
@@ -118,7 +112,7 @@ def token_ids(response: dict[str, Any]) -> list[int] | None:
 
 
 def prefill_step(prefill: Server, prompt: str) -> dict[str, Any]:
-    return post(prefill, {"prompt": prompt, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS})
+    return post(prefill, prefill_request({"prompt": prompt}))
 
 
 def decode_step(decode: Server, prompt: str, prefilled: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -147,3 +148,13 @@ def histogram(text: str, name: str) -> Histogram:
             bound = float(le.group(1))
             buckets[bound] = buckets.get(bound, 0.0) + value
     return Histogram(total, count, tuple(sorted(buckets.items())))
+
+
+def machine_report(load_before: Sequence[float]) -> dict[str, Any]:
+    """The machine a benchmark ran on: its CPUs and the load average before and after (a
+    shared machine's numbers mean little without it)."""
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_before": [round(x, 2) for x in load_before],
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+    }
