@@ -10,11 +10,11 @@ two cores (``VLLM_CPU_OMP_THREADS_BIND=0`` / ``=1``), each with its own NIXL sid
    (``do_remote_decode``, ``max_tokens=1``) and its ``kv_transfer_params`` with the decode
    request (one thread per prompt, as a router does); both engines in the ledger while
    serving, each within its own ``ELASTICKV_BUDGET``, which the reference run exceeds;
-3. for 4 other prompts, with every page the prefiller has committed overwritten with random
-   bytes between the two steps (the decode output must change: the KV really crossed);
-4. a late decoder: 4 prompts prefilled, then the decode requests held back past the
+3. a late decoder: 4 prompts prefilled, then the decode requests held back past the
    prefiller's (4 s) lease while other prompts run on the prefiller; elastickv holds the
    unread blocks (``ELASTICKV_KV_READ_HOLD``) and the decoder reads the right KV;
+4. for 4 other prompts, with every page the prefiller has committed overwritten with random
+   values between the two steps (the decode output must change: the KV really crossed);
 5. a decode request whose ``elastickv_read_by`` is past (set so by the test) and whose
    prefill blocks were overwritten: the decoder computes the prompt itself (right tokens);
 6. a decode server with ``--block-size 64`` against the prefiller's 32: refused at the NIXL
@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy
 import pytest
 from plugin_harness import (
     ELASTIC,
@@ -132,11 +133,18 @@ def parallel(fn: Any, *iterables: list[Any]) -> list[Any]:
 
 
 def scramble_pool(server: Server) -> int:
-    """Overwrite every page the server's worker has committed in its pool with random bytes
-    (through ``/proc/<pid>/fd``; ``SEEK_DATA`` finds them, no page is added); bytes written."""
+    """Overwrite every page the server's worker has committed in its pool with random float32
+    values (through ``/proc/<pid>/fd``; ``SEEK_DATA`` finds them, no page is added); bytes
+    written.
+
+    Finite values, not random bytes: random bytes hold NaN and infinity patterns, and the
+    committed pages include the null block and the unwritten tail of partial blocks, which
+    attention reads and masks (a NaN times a zero weight stays NaN). Every later prompt that
+    touched them then decoded token 0 sixteen times: a poisoned engine, not a transfer."""
     holders = pool_fds(list(server.descendants))  # the worker's pool, and the scheduler's fds
     paths = [path for held in holders.values() for path in held]
     assert len({os.stat(path).st_ino for path in paths}) == 1, holders  # one pool (TP 1)
+    noise = numpy.random.default_rng(0)
     written = 0
     fd = os.open(paths[0], os.O_RDWR)
     try:
@@ -150,7 +158,7 @@ def scramble_pool(server: Server) -> int:
             end = os.lseek(fd, start, os.SEEK_HOLE)
             for chunk in range(start, end, 1 << 20):
                 length = min(1 << 20, end - chunk)
-                written += os.pwrite(fd, os.urandom(length), chunk)
+                written += os.pwrite(fd, noise.standard_normal(length // 4, "f4").tobytes(), chunk)
             offset = end
     finally:
         os.close(fd)
@@ -200,9 +208,6 @@ def pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             result["decoded"] = [pair[1] for pair in exchanged]
             result["ledger"] = ledger_list(ledger_dir)["instances"]
             result["ports"] = {"prefill": prefill.port, "decode": decode.port}
-            prefilled = parallel(lambda p: prefill_step(prefill, p), other)
-            result["scrambled_bytes"] = scramble_pool(prefill)
-            result["scrambled"] = parallel(lambda p, r: decode_step(decode, p, r), other, prefilled)
             # A late decoder: its requests come after the prefiller's lease ran out, while
             # other prompts need the prefiller's pages (which freed blocks would give them).
             prefilled = parallel(lambda p: prefill_step(prefill, p), late)
@@ -211,6 +216,9 @@ def pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, 
             parallel(lambda p: post(prefill, {"prompt": p, "max_tokens": 4}), same)
             result["late_gap_s"] = round(time.monotonic() - started, 1)
             result["late"] = parallel(lambda p, r: decode_step(decode, p, r), late, prefilled)
+            prefilled = parallel(lambda p: prefill_step(prefill, p), other)
+            result["scrambled_bytes"] = scramble_pool(prefill)
+            result["scrambled"] = parallel(lambda p, r: decode_step(decode, p, r), other, prefilled)
             # Past the read-by time (the prefiller's blocks overwritten as well): the decoder
             # must not read them.
             prefilled = parallel(lambda p: prefill_step(prefill, p), stale)
