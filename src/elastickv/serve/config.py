@@ -338,10 +338,14 @@ def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
     return tuple(engines)
 
 
+def has_option(args: Sequence[str], option: str) -> bool:
+    """Whether vLLM arguments set ``option`` (``--name value`` or ``--name=value``)."""
+    return any(a == option or a.startswith(option + "=") for a in args)
+
+
 def has_kv_transfer_config(args: Sequence[str]) -> bool:
     """Whether vLLM arguments set the KV connector (either spelling vLLM accepts)."""
-    names = ("--kv-transfer-config", "--kv_transfer_config")
-    return any(a in names or a.startswith(tuple(n + "=" for n in names)) for a in args)
+    return has_option(args, "--kv-transfer-config") or has_option(args, "--kv_transfer_config")
 
 
 def _args(value: Any, label: str) -> tuple[str, ...]:

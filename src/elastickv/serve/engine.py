@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from elastickv.serve.config import ModelConfig, ServeConfig
+from elastickv.serve.config import ModelConfig, ServeConfig, has_option
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
@@ -50,10 +50,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def has_option(args: tuple[str, ...], option: str) -> bool:
-    return any(a == option or a.startswith(option + "=") for a in args)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastickv.integrations.vllm.hooks import wrap_method
+
 logger = logging.getLogger(__name__)
 
 READ_BY_KEY = "elastickv_read_by"
@@ -139,8 +141,6 @@ def install(worker_cls: type | None, connector_cls: type | None, hold_s: float) 
     """Put the hooks on vLLM's NIXL worker and connector classes (idempotent; a class that
     is None is not loaded in this process). ``hold_s`` 0 keeps vLLM's lease as it is and only
     lets decoders recompute reads past it."""
-    from elastickv.integrations.vllm.hooks import wrap_method
-
     if worker_cls is not None and hold_s > 0:
         wrap_method(worker_cls, "_reap_expired_send_leases", _hold_on_reap(UnreadLeaseHold(hold_s)))
     if connector_cls is not None:
