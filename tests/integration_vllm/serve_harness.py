@@ -141,8 +141,15 @@ def greedy_mismatch(
 
 
 def post_all(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Reply]:
+    """All at once, a thread each: the engine batches them as they happen to arrive."""
     with ThreadPoolExecutor(max(1, len(requests))) as pool:
         return list(pool.map(lambda r: post(base, r[0], r[1]), requests))
+
+
+def post_each(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Reply]:
+    """One after another: each request is computed alone, so its output does not depend on
+    how concurrent requests happened to be batched (in bf16 that moves greedy ids)."""
+    return [post(base, path, body) for path, body in requests]
 
 
 def session_processes(sid: int) -> list[int]:
