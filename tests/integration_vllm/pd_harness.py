@@ -96,7 +96,12 @@ def parallel(fn: Any, *iterables: list[Any]) -> list[Any]:
 
 
 def scramble_pool(server: Server) -> int:
-    """Overwrite every page the server's worker has committed in its pool with random float32
+    """:func:`scramble_pool_of` the server's processes (its worker holds the pool)."""
+    return scramble_pool_of(list(server.descendants))
+
+
+def scramble_pool_of(pids: list[int]) -> int:
+    """Overwrite every page committed in the KV pool that ``pids`` hold with random float32
     values (through ``/proc/<pid>/fd``; ``SEEK_DATA`` finds them, no page is added); bytes
     written.
 
@@ -104,7 +109,7 @@ def scramble_pool(server: Server) -> int:
     committed pages include the null block and the unwritten tail of partial blocks, which
     attention reads and masks (a NaN times a zero weight stays NaN). Every later prompt that
     touched them then decoded token 0 sixteen times: a poisoned engine, not a transfer."""
-    holders = pool_fds(list(server.descendants))  # the worker's pool, and the scheduler's fds
+    holders = pool_fds(pids)  # the worker's pool, and the scheduler's fds
     paths = [path for held in holders.values() for path in held]
     assert len({os.stat(path).st_ino for path in paths}) == 1, holders  # one pool (TP 1)
     noise = numpy.random.default_rng(0)

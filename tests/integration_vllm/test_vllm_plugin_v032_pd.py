@@ -50,7 +50,7 @@ from pd_harness import (
 from plugin_harness import free_port, ledger_list, openai_server, terminate
 
 MISMATCH = "block size: this engine 64, remote engine 32"
-HELD = "ran out before its decoder read the blocks"
+HELD = "is running out before its decoder read the blocks"
 RECOMPUTED = "computing its prompt here instead of reading stale blocks"
 
 

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from elastickv.integrations.vllm.kv_read_hold import (
+    HOLD_AHEAD_S,
     READ_BY_KEY,
     READ_MARGIN_S,
     UnreadLeaseHold,
@@ -19,7 +20,7 @@ from elastickv.integrations.vllm.kv_read_hold import (
 
 
 def test_an_expired_lease_is_held_once_then_left_to_expire() -> None:
-    hold = UnreadLeaseHold(20.0)
+    hold = UnreadLeaseHold(20.0, ahead_s=0.0)
     leases = {"a": 10.0, "b": 50.0}
     assert hold.extend(leases, now=5.0) == []
     assert leases == {"a": 10.0, "b": 50.0}
@@ -30,8 +31,18 @@ def test_an_expired_lease_is_held_once_then_left_to_expire() -> None:
     assert leases["a"] == 30.0
 
 
+def test_a_lease_about_to_run_out_is_held_already() -> None:
+    """vLLM's reaper reads its clock after the hook: a lease ending in between must be held
+    by the hook, or vLLM frees blocks no decoder has read."""
+    hold = UnreadLeaseHold(20.0)
+    assert hold.ahead_s == HOLD_AHEAD_S > 0
+    leases = {"soon": 10.0 + HOLD_AHEAD_S / 2, "later": 10.0 + 2 * HOLD_AHEAD_S}
+    assert hold.extend(leases, now=10.0) == ["soon"]
+    assert leases == {"soon": 30.0 + HOLD_AHEAD_S / 2, "later": 10.0 + 2 * HOLD_AHEAD_S}
+
+
 def test_a_request_done_in_between_is_forgotten() -> None:
-    hold = UnreadLeaseHold(5.0)
+    hold = UnreadLeaseHold(5.0, ahead_s=0.0)
     leases = {"a": 1.0}
     assert hold.extend(leases, now=2.0) == ["a"]
     del leases["a"]  # the decoder read it: vLLM reported it done
@@ -45,22 +56,25 @@ def test_a_request_done_in_between_is_forgotten() -> None:
     st.dictionaries(st.text(max_size=3), st.floats(0, 100), max_size=8),
     st.floats(0, 100),
     st.floats(0, 100),
+    st.floats(0, 5),
 )
 def test_no_lease_ends_earlier_and_none_is_held_twice(
-    leases: dict[str, float], hold_s: float, now: float
+    leases: dict[str, float], hold_s: float, now: float, ahead_s: float
 ) -> None:
-    hold = UnreadLeaseHold(hold_s)
+    hold = UnreadLeaseHold(hold_s, ahead_s)
     before = dict(leases)
     held = hold.extend(leases, now)
-    assert set(held) == {r for r, t in before.items() if now >= t}
+    assert set(held) == {r for r, t in before.items() if now + ahead_s >= t}
     for req_id, deadline in before.items():
         assert leases[req_id] == (deadline + hold_s if req_id in held else deadline)
     assert hold.extend(leases, now) == []  # each lease is held once
 
 
 def test_a_negative_hold_is_refused() -> None:
-    with pytest.raises(ValueError, match=">= 0 seconds"):
+    with pytest.raises(ValueError, match="hold must be >= 0 seconds"):
         UnreadLeaseHold(-1.0)
+    with pytest.raises(ValueError, match="look-ahead must be >= 0 seconds"):
+        UnreadLeaseHold(1.0, ahead_s=-1.0)
 
 
 def test_a_decoder_reads_only_well_before_the_read_by_time() -> None:

@@ -343,6 +343,27 @@ def test_an_unread_lease_is_held_before_vllm_reaps_it() -> None:
     assert done == {"late"} and set(worker._reqs_to_send) == {"fresh"}
 
 
+def test_a_lease_ending_before_vllms_own_clock_read_is_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's reaper reads ``time.perf_counter()`` after the hook: a lease that ends in between
+    was freed unheld (an engine waiting for pages steps in a tight loop, and leases set in one
+    step end microseconds apart). Here vLLM's clock runs half a second ahead of the hook's."""
+    import time
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    assert kv_transfer.install_nixl_guard()
+    later = types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + 0.5)
+    monkeypatch.setattr(base_worker, "time", later)
+    now = time.perf_counter()
+    worker = _sending_worker({"edge": now + 0.3})
+    done: set[str] = set()
+    Worker._reap_expired_send_leases(worker, done)
+    assert done == set()
+    assert worker._reqs_to_send["edge"] == pytest.approx(now + 0.3 + kv_read_hold.DEFAULT_HOLD_S)
+
+
 def test_the_prefill_response_says_until_when_its_blocks_are_kept() -> None:
     import time
 

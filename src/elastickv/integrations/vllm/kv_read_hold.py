@@ -41,25 +41,36 @@ READ_BY_KEY = "elastickv_read_by"
 READ_MARGIN_S = 5.0
 DEFAULT_LEASE_S = 30.0  # vLLM 0.32's ``kv_lease_duration`` default
 DEFAULT_HOLD_S = 300.0
+# A lease is held once it ends within this much time: vLLM's reaper reads its own clock after
+# the hook has read it, so a lease ending in between would be reaped without the hold. Leases
+# set in one step end microseconds apart, and an engine waiting for pages steps in a tight
+# loop, so that window is hit (seen: three of five prompts released unheld, their blocks
+# reused, the decoder reading other prompts' KV).
+HOLD_AHEAD_S = 1.0
 
 
 class UnreadLeaseHold:
-    """The worker-side hold: expired send leases of unread blocks get ``hold_s`` more."""
+    """The worker-side hold: send leases of unread blocks that run out (or will within
+    ``ahead_s``) get ``hold_s`` more."""
 
-    def __init__(self, hold_s: float) -> None:
+    def __init__(self, hold_s: float, ahead_s: float = HOLD_AHEAD_S) -> None:
         if hold_s < 0:
             raise ValueError(f"a read hold must be >= 0 seconds, got {hold_s}")
+        if ahead_s < 0:
+            raise ValueError(f"a hold's look-ahead must be >= 0 seconds, got {ahead_s}")
         self.hold_s = hold_s
+        self.ahead_s = ahead_s
         self._held: set[str] = set()
 
     def extend(self, leases: dict[str, float], now: float) -> list[str]:
         """Push back, once each, the expiry of every lease in ``leases`` (request id ->
-        ``time.perf_counter()`` deadline, vLLM's ``_reqs_to_send``) that has run out; the
-        request ids held now. A request stays in ``leases`` until vLLM reports it done (read
-        or reaped), so a request held before is left to expire."""
+        ``time.perf_counter()`` deadline, vLLM's ``_reqs_to_send``) that has run out or runs
+        out within ``ahead_s``; the request ids held now. A request stays in ``leases`` until
+        vLLM reports it done (read or reaped), so a request held before is left to expire."""
         held: list[str] = []
+        horizon = now + self.ahead_s
         for req_id, expires in leases.items():
-            if now >= expires and req_id not in self._held:
+            if horizon >= expires and req_id not in self._held:
                 self._held.add(req_id)
                 leases[req_id] = expires + self.hold_s
                 held.append(req_id)
@@ -91,8 +102,8 @@ def _hold_on_reap(hold: UnreadLeaseHold) -> Callable[[Callable[..., None]], Call
             if leases:
                 for req_id in hold.extend(leases, time.perf_counter()):
                     logger.warning(
-                        "elastickv: the KV lease of request %s ran out before its decoder "
-                        "read the blocks; keeping them %.0f s more for that read "
+                        "elastickv: the KV lease of request %s is running out before its "
+                        "decoder read the blocks; keeping them %.0f s more for that read "
                         "(ELASTICKV_KV_READ_HOLD)",
                         req_id,
                         hold.hold_s,
