@@ -138,6 +138,24 @@ def test_top_quits_cleanly_on_sigint(ledger: Ledger, terminal: list[Terminal]) -
         assert termios.tcgetattr(term.slave)[3] & termios.ICANON
 
 
+def test_top_quits_cleanly_on_repeated_sigint(ledger: Ledger, terminal: list[Terminal]) -> None:
+    """Ctrl-C pressed again while top is already quitting (or mid-frame): no traceback, the
+    terminal restored. A KeyboardInterrupt raised wherever the signal lands escaped the
+    cleanup; top now only notes the signal and quits between frames."""
+    with ledger.register("llama-a"):
+        term = Terminal("--interval", "0.05")
+        terminal.append(term)
+        term.read_until("llama-a")
+        for _ in range(30):
+            if term.proc.poll() is not None:
+                break
+            term.proc.send_signal(signal.SIGINT)
+            time.sleep(0.002)
+        assert term.wait() == 0, term.text[-2000:]
+        assert "Traceback" not in term.text
+        assert termios.tcgetattr(term.slave)[3] & termios.ICANON
+
+
 def test_top_waits_for_a_ledger(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, terminal: list[Terminal]
 ) -> None:

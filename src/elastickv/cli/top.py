@@ -11,8 +11,10 @@ import argparse
 import contextlib
 import os
 import select
+import signal
 import sys
 import termios
+import threading
 import time
 import tty
 from types import TracebackType
@@ -89,8 +91,13 @@ class LedgerSource:
 
 
 class KeyReader:
-    """Waits for the next frame while watching stdin for a quit key. On a terminal, input is
-    switched to cbreak mode (keys arrive unbuffered, Ctrl-C still interrupts) and restored."""
+    """Waits for the next frame while watching stdin for a quit key and for Ctrl-C. On a
+    terminal, input is switched to cbreak mode (keys arrive unbuffered) and restored.
+
+    Ctrl-C (SIGINT) only wakes the wait, through a pipe: a ``KeyboardInterrupt`` raised
+    wherever the signal lands (mid-frame, or in the cleanup after a first Ctrl-C) would skip
+    restoring the terminal and print a traceback. After a Ctrl-C, further ones are ignored
+    while the program quits."""
 
     def __init__(self, stream: IO[str]) -> None:
         try:
@@ -98,12 +105,26 @@ class KeyReader:
         except (OSError, ValueError):
             self._fd = None
         self._saved: list[Any] | None = None
+        self._wake: tuple[int, int] | None = None
+        self._previous_handler: Any = None
+        self.interrupted = False
 
     def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._wake = os.pipe()
+            for fd in self._wake:
+                os.set_blocking(fd, False)
+            self._previous_handler = signal.signal(signal.SIGINT, self._on_sigint)
         if self._fd is not None and os.isatty(self._fd):
             self._saved = termios.tcgetattr(self._fd)
             tty.setcbreak(self._fd, termios.TCSANOW)
         return self
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.interrupted = True
+        if self._wake is not None:
+            with contextlib.suppress(OSError):  # the pipe is full: a wake-up is pending
+                os.write(self._wake[1], b"!")
 
     def __exit__(
         self,
@@ -113,20 +134,30 @@ class KeyReader:
     ) -> None:
         if self._saved is not None and self._fd is not None:
             termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+        if self._wake is not None:
+            quitting = self.interrupted or exc_type is not None
+            signal.signal(signal.SIGINT, signal.SIG_IGN if quitting else self._previous_handler)
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
 
     def wait(self, seconds: float) -> bool:
-        """Sleep up to ``seconds``; True if a quit key was pressed meanwhile."""
+        """Sleep up to ``seconds``; True if a quit key was pressed or Ctrl-C came meanwhile."""
         deadline = time.monotonic() + seconds
+        watched = [fd for fd in (self._fd, self._wake[0] if self._wake else None) if fd is not None]
         while (left := deadline - time.monotonic()) > 0:
-            if self._fd is None:
+            if not watched:
                 time.sleep(left)
                 break
-            ready, _, _ = select.select([self._fd], [], [], left)
+            ready, _, _ = select.select(watched, [], [], left)
             if not ready:
                 break
-            data = os.read(self._fd, 64)
+            if self._wake is not None and self._wake[0] in ready:
+                return True
+            data = os.read(ready[0], 64)
             if not data:
-                self._fd = None  # end of input: keep refreshing until interrupted
+                watched.remove(ready[0])  # end of input: keep refreshing until interrupted
+                self._fd = None
             elif QUIT_KEYS.intersection(data):
                 return True
         return False
@@ -161,7 +192,7 @@ def run_top(args: argparse.Namespace) -> int:
             redirect_stdout=False,
             redirect_stderr=False,
         )
-        with contextlib.suppress(KeyboardInterrupt), KeyReader(sys.stdin) as keys, live:
+        with KeyReader(sys.stdin) as keys, live:
             while not keys.wait(args.interval):
                 live.update(frame(), refresh=True)
     return 0
