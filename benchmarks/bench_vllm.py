@@ -9,7 +9,13 @@ their whole process trees awaited. Reported per side (medians) and as ratios ela
 (medians of per-pair ratios): output tokens/s, mean and p99 time to first token, start-up.
 Greedy outputs must be identical across every server of both sides.
 
-    .venvs/vllm-0.32/bin/python benchmarks/bench_vllm.py [--json] [--quick]
+``--saturate`` runs the saturation workload: 64 requests at concurrency 32 against a KV cache
+(``--kv-cache-memory-bytes``, the same on both sides) that holds about half of what they need
+at once, so native vLLM itself preempts; each side's preemptions (vLLM's
+``vllm:num_preemptions`` counter) are reported with the ratios. Its elastic side uses 64 KiB
+pages (the default 2 MiB page is larger than that whole cache).
+
+    .venvs/vllm-0.32/bin/python benchmarks/bench_vllm.py [--json] [--quick] [--saturate]
 """
 
 from __future__ import annotations
@@ -47,7 +53,12 @@ THROUGHPUT_TARGET = 0.98
 TTFT_TARGET = 1.05
 REQUEST_TIMEOUT_S = 120.0
 KV_CACHE_BYTES = 64 << 20
-ELASTIC_ENV = {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(KV_CACHE_BYTES)}
+# The saturation workload's KV cache: 48 blocks of 32 tokens (the fp32 tiny model holds 1 KiB
+# a token), half of the 96 that 32 requests of 15-30 prompt and 64 output tokens reach at once.
+SATURATE_KV_CACHE_BYTES = 3 << 19
+# Pages that tile that cache (the default 2 MiB page is larger than all of it): two blocks each.
+SATURATE_PAGE_BYTES = 64 << 10
+SATURATE = {"requests": 64, "concurrency": 32}
 SERVER_ARGS = [
     "--dtype",
     "float32",
@@ -56,8 +67,6 @@ SERVER_ARGS = [
     "--enforce-eager",
     "--block-size",
     "32",
-    "--kv-cache-memory-bytes",
-    str(KV_CACHE_BYTES),
     "--no-enable-prefix-caching",
     "--seed",
     "0",
@@ -86,6 +95,7 @@ class Started:
     left_processes: int
     kv_cache_tokens: int | None
     cpu_s_per_pass: dict[str, float]
+    preemptions: int | None  # vLLM's counter over the server's life (warm-up included)
 
 
 @dataclass(frozen=True)
@@ -201,6 +211,23 @@ def kv_cache_tokens(log: Path) -> int | None:
     return None if match is None else int(match.group(1).replace(",", ""))
 
 
+PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
+
+
+def preemptions(srv: Server) -> int | None:
+    """vLLM's preemption counter, from the server's ``/metrics`` (None if absent)."""
+    connection = http.client.HTTPConnection(HOST, srv.port, timeout=30)
+    try:
+        connection.request("GET", "/metrics")
+        text = connection.getresponse().read().decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        connection.close()
+    counts = [float(m.group(1)) for m in PREEMPTIONS.finditer(text)]
+    return int(sum(counts)) if counts else None
+
+
 def measure(
     srv: Server, side: str, index: int, number: int, work: Workload
 ) -> tuple[Pass, list[float], list[str]]:
@@ -248,6 +275,7 @@ def run_round(
                 passes.append(result)
                 ttfts[side] += firsts
                 outputs.append(texts)
+        preempted = {side: preemptions(servers[side][0]) for side in order}
         cpu: dict[str, dict[str, float]] = {}
         for side in order:
             after = cpu_seconds(servers[side][0])
@@ -267,6 +295,7 @@ def run_round(
                     left_processes=left,
                     kv_cache_tokens=kv_cache_tokens(srv.log),
                     cpu_s_per_pass=cpu[side],
+                    preemptions=preempted[side],
                 )
             )
     return started, passes, ttfts, outputs
@@ -301,6 +330,7 @@ def summarise(
             "startup_s": round(statistics.median(s.startup_s for s in lives), 2),
             "stop_s": round(statistics.median(s.stop_s for s in lives), 2),
             "kv_cache_tokens": lives[0].kv_cache_tokens,
+            "preemptions": [s.preemptions for s in lives],
             "cpu_s_per_pass": {
                 name: round(statistics.median(s.cpu_s_per_pass.get(name, 0.0) for s in lives), 3)
                 for name in lives[0].cpu_s_per_pass
@@ -344,6 +374,20 @@ def main() -> int:
         metavar="ELASTICKV_X=VALUE",
         help="extra setting for the elastic side (repeatable)",
     )
+    parser.add_argument(
+        "--saturate",
+        action="store_true",
+        help="the saturation workload: more in flight than the KV cache holds "
+        f"({SATURATE['requests']} requests at {SATURATE['concurrency']}, "
+        f"{SATURATE_KV_CACHE_BYTES / 2**20:g} MiB KV cache)",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help=f"KV cache of both sides ({KV_CACHE_BYTES >> 20} MiB; --saturate: "
+        f"{SATURATE_KV_CACHE_BYTES / 2**20:g} MiB)",
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the server logs")
     parser.add_argument(
         "--tensor-parallel-size",
@@ -355,23 +399,29 @@ def main() -> int:
 
     if vllm_version() is None:
         parser.error("vLLM is not installed in this interpreter; run it with the vLLM venv")
-    elastic_env = dict(ELASTIC_ENV)
+    kv_bytes = args.kv_cache_bytes or (SATURATE_KV_CACHE_BYTES if args.saturate else KV_CACHE_BYTES)
+    if kv_bytes <= 0:
+        parser.error(f"--kv-cache-bytes must be positive, got {kv_bytes}")
+    elastic_env = {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(kv_bytes)}
+    if args.saturate:
+        elastic_env["ELASTICKV_PAGE_SIZE"] = str(SATURATE_PAGE_BYTES)
     for item in args.elastic_env:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("ELASTICKV_"):
             parser.error(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
         elastic_env[key] = value
     quick = args.quick
+    preset = SATURATE if args.saturate else {"requests": 32, "concurrency": 8}
     work = Workload(
-        requests=args.requests or 32,
-        concurrency=args.concurrency or 8,
+        requests=args.requests or preset["requests"],
+        concurrency=args.concurrency or preset["concurrency"],
         max_tokens=args.max_tokens or 64,
         passes=args.passes or (3 if quick else 6),
     )
     rounds = args.rounds or (1 if quick else 2)
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be at least 1")
-    server_args = [*SERVER_ARGS]
+    server_args = [*SERVER_ARGS, "--kv-cache-memory-bytes", str(kv_bytes)]
     common: dict[str, str] = {}
     if args.tensor_parallel_size > 1:
         server_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -419,7 +469,14 @@ def main() -> int:
     report: dict[str, Any] = {
         "vllm": vllm_version(),
         "model": args.model,
-        "workload": {**asdict(work), "rounds": rounds, "temperature": 0, "ignore_eos": True},
+        "workload": {
+            **asdict(work),
+            "rounds": rounds,
+            "temperature": 0,
+            "ignore_eos": True,
+            "saturate": args.saturate,
+            "kv_cache_bytes": kv_bytes,
+        },
         "server_args": server_args,
         "elastic_env": elastic_env,
         **summarise(started, passes, ttfts, outputs, work),
@@ -471,6 +528,11 @@ def print_tables(report: dict[str, Any]) -> None:
     for side in ("native", "elastic"):
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in median[side]["cpu_s_per_pass"].items())
         console.print(f"{side} CPU seconds per timed pass: {cpu}")
+    console.print(
+        f"KV cache {work['kv_cache_bytes'] / 2**20:g} MiB "
+        f"({median['native']['kv_cache_tokens']} tokens); preemptions per server: "
+        f"native {median['native']['preemptions']}, elastic {median['elastic']['preemptions']}"
+    )
     console.print(
         f"greedy outputs identical: {report['greedy_identical']}; "
         f"all tokens received: {report['all_tokens_received']}; "
