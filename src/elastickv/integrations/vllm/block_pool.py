@@ -97,8 +97,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         take their next blocks. Without it an engine whose limit holds exactly N prompts
         admits N, none of them can grow, and vLLM preempts and re-admits them in turn
         (measured: 44 preemptions and 20 s TTFT in a burst). vLLM's own ``watermark`` cannot
-        do this: it is a fraction of the *virtual* block count. When vLLM's own free blocks
-        are what is short, admission stays vLLM's (see :meth:`get_num_free_blocks`)."""
+        do this: it is a fraction of the *virtual* block count."""
         self._in_window = True
         self._headroom = headroom
 
@@ -136,13 +135,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             return free
         self._need = None
         if self._back(need):
-            headroom = self._headroom
-            # The headroom applies where elastickv's capacity binds before vLLM's own free
-            # blocks do; where vLLM's blocks are short, admit as native vLLM does (it fits
-            # now; vLLM preempts later if the running requests cannot grow).
-            if not headroom or free - need < headroom or self._room_for(headroom):
+            if not self._headroom or self._room_for(self._headroom):
                 return free
-            self._refusals.refused(need + headroom, self._committed_bytes)
+            self._refusals.refused(need + self._headroom, self._committed_bytes)
             return 0  # admitting it would leave the running requests no room to grow
         self._refusals.refused(need, self._committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
