@@ -55,7 +55,6 @@ import statistics
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -72,6 +71,7 @@ from elastickv.bench.vllm_server import (
     free_port,
     hermetic_env,
     ledger_env,
+    scrape_metrics,
     server,
     stop,
     vllm_version,
@@ -166,14 +166,8 @@ class Router:
         return {"kv_transfer_params": params}
 
 
-def scrape(srv: Server) -> str:
-    with urllib.request.urlopen(f"http://{HOST}:{srv.port}/metrics", timeout=10) as response:
-        text: str = response.read().decode()
-        return text
-
-
 def nixl_histograms(srv: Server) -> dict[str, Histogram]:
-    text = scrape(srv)
+    text = scrape_metrics(srv)
     return {name: histogram(text, name) for name in (XFER_TIME, POST_TIME, XFER_BYTES, DESCRIPTORS)}
 
 

@@ -37,13 +37,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from elastickv.bench.monitor import machine_report
+from elastickv.bench.monitor import counter, machine_report
 from elastickv.bench.vllm_server import (
     HOST,
     Server,
     cpu_seconds,
     hermetic_env,
     ledger_env,
+    scrape_metrics,
     server,
     stop,
     vllm_version,
@@ -58,6 +59,7 @@ KV_CACHE_BYTES = 64 << 20
 SATURATE_KV_CACHE_BYTES = 3 << 19
 # Pages that tile that cache (the default 2 MiB page is larger than all of it): two blocks each.
 SATURATE_PAGE_BYTES = 64 << 10
+DEFAULT_LOAD = {"requests": 32, "concurrency": 8}
 SATURATE = {"requests": 64, "concurrency": 32}
 SERVER_ARGS = [
     "--dtype",
@@ -211,21 +213,10 @@ def kv_cache_tokens(log: Path) -> int | None:
     return None if match is None else int(match.group(1).replace(",", ""))
 
 
-PREEMPTIONS = re.compile(r"^vllm:num_preemptions_total(?:\{[^}]*\})? ([0-9.e+]+)$", re.M)
-
-
 def preemptions(srv: Server) -> int | None:
     """vLLM's preemption counter, from the server's ``/metrics`` (None if absent)."""
-    connection = http.client.HTTPConnection(HOST, srv.port, timeout=30)
-    try:
-        connection.request("GET", "/metrics")
-        text = connection.getresponse().read().decode(errors="replace")
-    except OSError:
-        return None
-    finally:
-        connection.close()
-    counts = [float(m.group(1)) for m in PREEMPTIONS.finditer(text)]
-    return int(sum(counts)) if counts else None
+    count = counter(scrape_metrics(srv), "vllm:num_preemptions_total")
+    return None if count is None else int(count)
 
 
 def measure(
@@ -411,7 +402,7 @@ def main() -> int:
             parser.error(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
         elastic_env[key] = value
     quick = args.quick
-    preset = SATURATE if args.saturate else {"requests": 32, "concurrency": 8}
+    preset = SATURATE if args.saturate else DEFAULT_LOAD
     work = Workload(
         requests=args.requests or preset["requests"],
         concurrency=args.concurrency or preset["concurrency"],

@@ -48,7 +48,7 @@ class InProcessEngine:
         self.proc = proc
         self.log = log
 
-    def _answer(self) -> Any:
+    def read_answer(self) -> Any:
         assert self.proc.stdout is not None
         with self.log.with_suffix(".stdout").open("a") as sink:
             for line in self.proc.stdout:
@@ -66,7 +66,7 @@ class InProcessEngine:
         command = {"op": "generate", "prompts": batch, "max_tokens": max_tokens}
         self.proc.stdin.write(json.dumps({**command, "transfer": transfer}) + "\n")
         self.proc.stdin.flush()
-        answer: dict[str, Any] = self._answer()
+        answer: dict[str, Any] = self.read_answer()
         return answer
 
     def prefill(self, batch: list[str]) -> list[dict[str, Any]]:
@@ -119,7 +119,7 @@ def inproc(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         in_process_engine(cache_root, model, 0, logs / "prefill.log") as prefill,
         in_process_engine(cache_root, model, 1, logs / "decode.log") as decode,
     ):
-        assert prefill._answer() == "READY" and decode._answer() == "READY"
+        assert prefill.read_answer() == "READY" and decode.read_answer() == "READY"
         result["reference"] = prefill.generate(same + other, MAX_TOKENS)["ids"]
         result["prefilled"] = prefill.prefill(same)
         result["decoded"] = decode.generate(same, MAX_TOKENS, result["prefilled"])["ids"]

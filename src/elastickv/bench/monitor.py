@@ -131,6 +131,16 @@ _SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$")
 _LE = re.compile(r'(?:^|,)le="([^"]+)"')
 
 
+def counter(text: str, name: str) -> float | None:
+    """The sum of every sample of ``name`` in a ``/metrics`` text (None if absent)."""
+    values = [
+        float(m.group(3))
+        for line in text.splitlines()
+        if (m := _SAMPLE.match(line)) and m.group(1) == name
+    ]
+    return sum(values) if values else None
+
+
 def histogram(text: str, name: str) -> Histogram:
     """The histogram ``name`` in a ``/metrics`` text (all zero if absent)."""
     total = count = 0.0

@@ -119,6 +119,13 @@ def server(
         proc.wait(timeout=STOP_TIMEOUT_S)
 
 
+def scrape_metrics(srv: Server) -> str:
+    """The server's ``/metrics`` text."""
+    with urllib.request.urlopen(f"http://{HOST}:{srv.port}/metrics", timeout=10) as response:
+        text: str = response.read().decode(errors="replace")
+        return text
+
+
 def stop(srv: Server) -> tuple[float, int]:
     """SIGTERM the server; seconds until its whole tree is gone, and how many outlived the wait."""
     srv.snapshot()
