@@ -302,6 +302,19 @@ def paired_ratio(items: list[Any], key: str, pair: tuple[str, ...]) -> float:
     return round(statistics.median(g["elastic"] / g["native"] for g in groups.values()), 3)
 
 
+def cpu_ratios(started: list[Started]) -> dict[str, float]:
+    """Per process title on both sides: the median over rounds of elastic/native CPU seconds
+    per timed pass (the CPU is read once per server, over all of its passes)."""
+    per_round: dict[str, list[float]] = {}
+    for index in sorted({s.round for s in started}):
+        pair = {s.side: s.cpu_s_per_pass for s in started if s.round == index}
+        for name, used in pair.get("native", {}).items():
+            mine = pair.get("elastic", {}).get(name)
+            if mine is not None and used > 0:
+                per_round.setdefault(name, []).append(mine / used)
+    return {name: round(statistics.median(values), 3) for name, values in per_round.items()}
+
+
 def summarise(
     started: list[Started],
     passes: list[Pass],
@@ -337,6 +350,7 @@ def summarise(
     return {
         "median": sides,
         "ratios": ratios,
+        "cpu_ratios": cpu_ratios(started),
         "meets_target": {
             "throughput": ratios["throughput"] >= THROUGHPUT_TARGET,
             "ttft_mean": ratios["ttft_mean"] <= TTFT_TARGET,
@@ -519,6 +533,8 @@ def print_tables(report: dict[str, Any]) -> None:
     for side in ("native", "elastic"):
         cpu = ", ".join(f"{k} {v:.2f}" for k, v in median[side]["cpu_s_per_pass"].items())
         console.print(f"{side} CPU seconds per timed pass: {cpu}")
+    cpu = ", ".join(f"{k} {v:.3f}" for k, v in report["cpu_ratios"].items())
+    console.print(f"CPU per pass, elastic/native (median over rounds): {cpu}")
     console.print(
         f"KV cache {work['kv_cache_bytes'] / 2**20:g} MiB "
         f"({median['native']['kv_cache_tokens']} tokens); preemptions per server: "

@@ -22,20 +22,26 @@ from elastickv.vmm import host_granularity
 PAGE = host_granularity()
 
 
-@pytest.fixture
-def pool() -> Iterator[object]:
+def make_pool(num_blocks: int, budget_pages: int) -> Any:
+    """An elastic pool of ``num_blocks`` blocks, one block per page, ``budget_pages`` pages
+    allowed (the null block takes one)."""
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
     # One block per page: 1 layer, 1 KV head, 16 tokens of 2×32 fp32 = 4 KiB.
     geometry = KVCacheGeometry(
-        num_layers=1, num_blocks=32, num_kv_heads=1, block_size=16, head_size=PAGE // 128,
-        dtype="float32", layout="HND",
+        num_layers=1, num_blocks=num_blocks, num_kv_heads=1, block_size=16,
+        head_size=PAGE // 128, dtype="float32", layout="HND",
     )  # fmt: skip
-    assert geometry.backing_bytes == 32 * PAGE
-    config = ElasticConfig(page_size=PAGE, budget_bytes=5 * PAGE, hot_max_pages=0)
+    assert geometry.backing_bytes == num_blocks * PAGE
+    config = ElasticConfig(page_size=PAGE, budget_bytes=budget_pages * PAGE, hot_max_pages=0)
     store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
     REGISTRY.publish(store)
-    made = ElasticBlockPool(32, True, 16)
+    return ElasticBlockPool(num_blocks, True, 16)
+
+
+@pytest.fixture
+def pool() -> Iterator[object]:
+    made = make_pool(32, 5)
     yield made
     made.close_elastic()
 
@@ -89,6 +95,17 @@ def test_a_refused_backing_asks_the_allocator_once(pool: object) -> None:
     assert pool.elastic_stats()["stash_blocks"] == 0  # type: ignore[attr-defined]
 
 
+def test_a_step_without_new_blocks_leaves_the_allocator_alone(pool: object) -> None:
+    """vLLM asks the pool for every running request in every step, most needing no new
+    block: those calls must not reach the allocator (its lock and counters)."""
+    assert allocate(pool, 2, []) is not None
+    before = pool.allocator.stats()  # type: ignore[attr-defined]
+    for _ in range(5):
+        assert allocate(pool, 0, []) == []
+    after = pool.allocator.stats()  # type: ignore[attr-defined]
+    assert (after.allocations, after.refusals) == (before.allocations, before.refusals)
+
+
 def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     """A waiting request is admitted only if the running ones can still take their next
     block (one each): otherwise a limit that holds exactly N prompts admits N, none can
@@ -119,6 +136,29 @@ def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     assert admission_headroom(manager, preempted) == 1
     assert admission_headroom(manager, growing) == 0
     assert admission_headroom(SimpleNamespace(), waiting) == 0
+
+
+def test_admission_headroom_is_vllms_own_where_its_blocks_are_short() -> None:
+    """Where vLLM's own free blocks run out before the limit does (no budget below the
+    virtual size), admission is native vLLM's: a request that fits now is admitted, and vLLM
+    preempts later if the running ones cannot grow. Before the cap, the headroom kept it
+    queued (saturation bench: a quarter of native's preemptions and 1.57x its TTFT). Where
+    the limit is shorter, the headroom still binds, up to what vLLM itself could give."""
+    roomy = make_pool(8, 8)  # the whole virtual size is allowed
+    try:
+        assert allocate(roomy, 5, []) is not None  # null + 5 of 8: vLLM has 2 free
+        assert roomy.get_num_free_blocks() == 2
+        assert allocate(roomy, 2, [], headroom=1) is not None  # fits now, as in vLLM
+    finally:
+        roomy.close_elastic()
+    tight = make_pool(8, 6)  # the limit binds before vLLM's 8 blocks do
+    try:
+        assert allocate(tight, 4, []) is not None  # null + 4 of 6 pages; vLLM has 3 free
+        # 1 new block fits, but then vLLM would have 2 blocks free and the limit none.
+        assert allocate(tight, 1, [], headroom=3) is None
+        assert allocate(tight, 1, [], headroom=0) is not None  # growth needs no headroom
+    finally:
+        tight.close_elastic()
 
 
 @pytest.mark.parametrize("caching", [False, True])

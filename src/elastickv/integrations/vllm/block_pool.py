@@ -97,7 +97,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         take their next blocks. Without it an engine whose limit holds exactly N prompts
         admits N, none of them can grow, and vLLM preempts and re-admits them in turn
         (measured: 44 preemptions and 20 s TTFT in a burst). vLLM's own ``watermark`` cannot
-        do this: it is a fraction of the *virtual* block count."""
+        do this: it is a fraction of the *virtual* block count. It is capped at vLLM's own
+        free blocks after the admission, so it binds only where the limit is shorter than
+        those (see :meth:`get_num_free_blocks`)."""
         self._in_window = True
         self._headroom = headroom
 
@@ -130,14 +132,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def get_num_free_blocks(self) -> int:
         free: int = self.free_block_queue.num_free_blocks  # vLLM's own answer, inlined
         need = self._need
-        if need is None or need > free:
-            self._need = None
-            return free
         self._need = None
+        if not need or need > free:
+            # Not ours to decide, or nothing to back: most calls, as vLLM asks for every
+            # running request in every step. (A headroom cannot refuse 0 blocks: vLLM's
+            # test is ``need > free``.)
+            return free
         if self._back(need):
-            if not self._headroom or self._room_for(self._headroom):
+            # The headroom never asks for more than vLLM's own free blocks could give after
+            # this admission: where those are what is short (the limit is not), admission is
+            # native vLLM's, which admits what fits now and preempts later.
+            headroom = min(self._headroom, free - need)
+            if headroom <= 0 or self._room_for(headroom):
                 return free
-            self._refusals.refused(need + self._headroom, self._committed_bytes)
+            self._refusals.refused(need + headroom, self._committed_bytes)
             return 0  # admitting it would leave the running requests no room to grow
         self._refusals.refused(need, self._committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -21,3 +22,40 @@ def wrap_method(
     wrapper = functools.wraps(original)(make(original))
     setattr(wrapper, _MARK, original)
     setattr(owner, name, wrapper)
+
+
+def forward_positionally(
+    original: Callable[..., Any], impl: Callable[[Any, tuple[Any, ...]], Any]
+) -> Callable[..., Any] | None:
+    """A function with ``original``'s own parameters that calls ``impl(self, args)``, ``args``
+    being every argument in ``original``'s order (so ``impl`` can call
+    ``original(self, *args)``); None when ``original`` takes anything but plain positional-or-
+    keyword parameters (then a ``*args, **kwargs`` wrapper must do).
+
+    Why: vLLM's scheduler calls the methods we hook with keyword arguments, and a generic
+    wrapper packs them into a dict and unpacks them again on every call: measured 0.53 µs for
+    ``get_num_blocks_to_allocate``'s nine, against 0.18 µs for this one, on a path taken for
+    every running request in every step. The source is built from ``original``'s parameter
+    names only (identifiers); defaults are the original's own objects."""
+    params = list(inspect.signature(original).parameters.values())
+    if not params or any(
+        p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD or not p.name.isidentifier()
+        for p in params
+    ):
+        return None
+    names = [p.name for p in params]
+    if len(set(names)) != len(names) or {"impl", "defaults"} & set(names):
+        return None
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+    signature = ", ".join(f"{n}=defaults[{n!r}]" if n in defaults else n for n in names)
+    arguments = "".join(f"{n}, " for n in names[1:])
+    source = (
+        f"def make(impl, defaults):\n"
+        f"    def {original.__name__}({signature}):\n"
+        f"        return impl({names[0]}, ({arguments}))\n"
+        f"    return {original.__name__}\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(compile(source, f"<elastickv forwarder of {original.__qualname__}>", "exec"), namespace)
+    forwarder: Callable[..., Any] = namespace["make"](impl, defaults)
+    return forwarder

@@ -18,26 +18,43 @@ the engine from the ledger.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
-from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.hooks import forward_positionally, wrap_method
 
 
 def install() -> None:
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
     from vllm.v1.core.sched import scheduler
+    from vllm.v1.request import RequestStatus
 
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool, admission_headroom
+
+    running_status = RequestStatus.RUNNING
 
     kv_cache_coordinator.BlockPool = ElasticBlockPool
 
     def need_wrapper(original: Callable[..., int]) -> Callable[..., int]:
+        # (request_id, num_tokens, new_computed_blocks, ...) in 0.28 and 0.32
+        hits_at = _parameter_index(original, "new_computed_blocks", 3) - 1
+
+        def count_and_expect(self: Any, args: tuple[Any, ...]) -> int:
+            num = original(self, *args)
+            pool = self.block_pool
+            if isinstance(pool, ElasticBlockPool):
+                pool.expect(num, args[hits_at])
+            return num
+
+        fast = forward_positionally(original, count_and_expect)
+        if fast is not None:
+            return fast
+
         def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
             num = original(self, *args, **kwargs)
             pool = self.block_pool
             if isinstance(pool, ElasticBlockPool):
-                # (request_id, num_tokens, new_computed_blocks, ...) in 0.28 and 0.32
                 hits = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else ())
                 pool.expect(num, hits)
             return num
@@ -45,12 +62,29 @@ def install() -> None:
         return get_num_blocks_to_allocate
 
     def window_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def in_window(self: Any, args: tuple[Any, ...]) -> Any:
+            pool = self.block_pool
+            if not isinstance(pool, ElasticBlockPool):
+                return original(self, *args)
+            request = args[0]
+            # a running request's growth needs no headroom: the common case, tested inline
+            pool.open_window(
+                0 if request.status is running_status else admission_headroom(self, request)
+            )
+            try:  # a plain try/finally: this runs per request per step
+                return original(self, *args)
+            finally:
+                pool.close_window()
+
+        fast = forward_positionally(original, in_window)
+        if fast is not None:
+            return fast
+
         def allocate_slots(self: Any, *args: Any, **kwargs: Any) -> Any:
             pool = self.block_pool
             if not isinstance(pool, ElasticBlockPool):
                 return original(self, *args, **kwargs)
             request = kwargs.get("request", args[0] if args else None)
-            # a plain try/finally: this runs per request per step
             pool.open_window(admission_headroom(self, request))
             try:
                 return original(self, *args, **kwargs)
@@ -102,3 +136,9 @@ def install() -> None:
     wrap_method(scheduler.Scheduler, "schedule", schedule_wrapper)
     wrap_method(scheduler.Scheduler, "update_from_output", update_wrapper)
     wrap_method(scheduler.Scheduler, "shutdown", shutdown_wrapper)
+
+
+def _parameter_index(function: Callable[..., Any], name: str, default: int) -> int:
+    """Position of parameter ``name`` in ``function``'s signature (``self`` is 0)."""
+    names = list(inspect.signature(function).parameters)
+    return names.index(name) if name in names else default
