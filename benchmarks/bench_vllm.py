@@ -9,13 +9,19 @@ their whole process trees awaited. Reported per side (medians) and as ratios ela
 (medians of per-pair ratios): output tokens/s, mean and p99 time to first token, start-up.
 Greedy outputs must be identical across every server of both sides.
 
+``--cold-burst`` runs the cold-burst workload: 64 requests at once against engines that run 16
+at a time, the elastic side releasing every page it frees (``ELASTICKV_HOT_MAX_PAGES=0``,
+64 KiB pages), so each pass starts cold and its commits land on the scheduler's path unless
+``--elastic-env ELASTICKV_PRECOMMIT=1`` commits them ahead of the demand.
+
 ``--saturate`` runs the saturation workload: 64 requests at concurrency 32 against a KV cache
 (``--kv-cache-memory-bytes``, the same on both sides) that holds about half of what they need
 at once, so native vLLM itself preempts; each side's preemptions (vLLM's
 ``vllm:num_preemptions`` counter) are reported with the ratios. Its elastic side uses 64 KiB
 pages (the default 2 MiB page is larger than that whole cache).
 
-    .venvs/vllm-0.32/bin/python benchmarks/bench_vllm.py [--json] [--quick] [--saturate]
+    .venvs/vllm-0.32/bin/python benchmarks/bench_vllm.py [--json] [--quick]
+        [--saturate | --cold-burst]
 """
 
 from __future__ import annotations
@@ -61,6 +67,12 @@ SATURATE_KV_CACHE_BYTES = 3 << 19
 SATURATE_PAGE_BYTES = 64 << 10
 DEFAULT_LOAD = {"requests": 32, "concurrency": 8}
 SATURATE = {"requests": 64, "concurrency": 32}
+# The cold-burst workload: every request at once on an idle engine, more than it runs at a
+# time (the rest wait in its queue), and the elastic side keeps no page once it is free
+# (each pass starts with nothing committed) on pages of 64 KiB (two blocks: many commits).
+COLD_BURST = {"requests": 64, "concurrency": 64}
+COLD_BURST_MAX_NUM_SEQS = 16
+COLD_BURST_ENV = {"ELASTICKV_HOT_MAX_PAGES": "0", "ELASTICKV_PAGE_SIZE": str(64 << 10)}
 SERVER_ARGS = [
     "--dtype",
     "float32",
@@ -387,6 +399,13 @@ def main() -> int:
         f"{SATURATE_KV_CACHE_BYTES / 2**20:g} MiB KV cache)",
     )
     parser.add_argument(
+        "--cold-burst",
+        action="store_true",
+        help=f"the cold-burst workload: {COLD_BURST['requests']} requests at once, "
+        f"{COLD_BURST_MAX_NUM_SEQS} running at a time, the elastic side starting every pass "
+        "with no page committed (compare with --elastic-env ELASTICKV_PRECOMMIT=1)",
+    )
+    parser.add_argument(
         "--kv-cache-bytes",
         type=int,
         default=None,
@@ -408,15 +427,19 @@ def main() -> int:
     if kv_bytes <= 0:
         parser.error(f"--kv-cache-bytes must be positive, got {kv_bytes}")
     elastic_env = {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(kv_bytes)}
+    if args.saturate and args.cold_burst:
+        parser.error("--saturate and --cold-burst are two workloads; choose one")
     if args.saturate:
         elastic_env["ELASTICKV_PAGE_SIZE"] = str(SATURATE_PAGE_BYTES)
+    if args.cold_burst:
+        elastic_env.update(COLD_BURST_ENV)
     for item in args.elastic_env:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("ELASTICKV_"):
             parser.error(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
         elastic_env[key] = value
     quick = args.quick
-    preset = SATURATE if args.saturate else DEFAULT_LOAD
+    preset = SATURATE if args.saturate else COLD_BURST if args.cold_burst else DEFAULT_LOAD
     work = Workload(
         requests=args.requests or preset["requests"],
         concurrency=args.concurrency or preset["concurrency"],
@@ -427,6 +450,8 @@ def main() -> int:
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be at least 1")
     server_args = [*SERVER_ARGS, "--kv-cache-memory-bytes", str(kv_bytes)]
+    if args.cold_burst:
+        server_args += ["--max-num-seqs", str(COLD_BURST_MAX_NUM_SEQS)]
     common: dict[str, str] = {}
     if args.tensor_parallel_size > 1:
         server_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
@@ -480,6 +505,7 @@ def main() -> int:
             "temperature": 0,
             "ignore_eos": True,
             "saturate": args.saturate,
+            "cold_burst": args.cold_burst,
             "kv_cache_bytes": kv_bytes,
         },
         "server_args": server_args,

@@ -52,7 +52,7 @@ ENTRY_POINTS = [
     ("BlockPool.free_blocks", "block_pool.py", "free_blocks"),
     ("model forward (execute_model)", "", "execute_model"),
 ]
-HOOK_FILES = ("elastickv/integrations/vllm/scheduler_v032.py",)
+HOOK_FILES = ("elastickv/integrations/vllm/scheduler_hooks.py",)
 FORWARDER_FILE = "<elastickv forwarder"  # hooks.forward_positionally's generated code
 SCHEDULER_MODULES = ("vllm/v1/core/", "elastickv/")
 
@@ -225,13 +225,23 @@ def child(args: argparse.Namespace) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
+def elastic_settings(items: list[str]) -> dict[str, str]:
+    """``--elastic-env`` items as variables; ValueError for one that is not ELASTICKV_X=V."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("ELASTICKV_"):
+            raise ValueError(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
+        settings[key] = value
+    return settings
+
+
 def run_side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if side == "elastic":
         extra |= {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(args.kv_cache_bytes)}
         extra |= ledger_env(tmp / "ledger")
-        if args.budget:
-            extra["ELASTICKV_BUDGET"] = args.budget
+        extra |= elastic_settings(args.elastic_env)
     env = hermetic_env(tmp / f"vllm-cache-{side}", extra)
     command = [sys.executable, __file__, "--child", *sys.argv[1:]]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
@@ -277,7 +287,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "kv_cache_bytes": args.kv_cache_bytes,
-            "elastic_budget": args.budget,
+            "elastic_env": elastic_settings(args.elastic_env),
         },
         "steps": {side: results[side]["steps"] for side in results},
         "unprofiled": {side: results[side]["timed"] for side in results},
@@ -300,7 +310,7 @@ def print_report(data: dict[str, Any]) -> None:
     table = Table(
         title=f"vLLM {data['vllm']} engine core under cProfile: {work['requests']} requests x "
         f"{work['max_tokens']} tokens, at most {work['concurrency']} running, "
-        f"elastic budget {work['elastic_budget'] or 'none'} (µs per scheduler step)"
+        f"elastic settings {work['elastic_env'] or 'default'} (µs per scheduler step)"
     )
     for column in ("entry point", "native", "elastic", "elastic/native"):
         table.add_column(column)
@@ -338,7 +348,11 @@ def main() -> int:
         "--kv-cache-bytes", type=int, default=KV_CACHE_BYTES, help="KV cache of both sides"
     )
     parser.add_argument(
-        "--budget", default=None, help="ELASTICKV_BUDGET of the elastic side (default: none)"
+        "--elastic-env",
+        action="append",
+        default=[],
+        metavar="ELASTICKV_X=VALUE",
+        help="extra setting for the elastic side (repeatable), e.g. ELASTICKV_BUDGET=1536K",
     )
     parser.add_argument("--top", type=int, default=15, help="functions listed by own time")
     parser.add_argument(
@@ -360,6 +374,10 @@ def main() -> int:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    try:
+        elastic_settings(args.elastic_env)
+    except ValueError as exc:
+        parser.error(str(exc))
     if vllm_version() is None:
         parser.error("vLLM is not installed in this interpreter; run it with the vLLM venv")
     if args.child:

@@ -212,7 +212,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = len(self.alloc.hot_pages())
         done = self.alloc.precommit()
         assert len(self.alloc.hot_pages()) == before + done
-        assert len(self.alloc.hot_pages()) <= self.alloc.max_hot_pages
+        assert len(self.alloc.hot_pages()) <= self.alloc.hot_reserve_cap
+
+    @rule(blocks=st.integers(0, 48))
+    def forecast(self, blocks: int) -> None:
+        """A scheduler's forecast, then the pre-commit round the thread would run: whatever
+        it commits stays within the policy (the invariants) and the cap, and hot pages beyond
+        the cap (an earlier, larger forecast) are gone."""
+        self.alloc.forecast(blocks)
+        self.alloc.precommit()
+        assert len(self.alloc.hot_pages()) <= self.alloc.hot_reserve_cap
 
     # -- invariants ---------------------------------------------------------------------------
 
@@ -231,7 +240,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert snap.range_committed == snap.committed
         assert snap.footprint == len(snap.committed) * PAGE
         assert snap.admitted == len(snap.committed) * PAGE
-        assert len(snap.hot) <= self.alloc.max_hot_pages
+        assert len(snap.hot) <= self.alloc.hot_reserve_cap
         usable = self.alloc.num_usable_blocks
         expected_free = sum(
             1 for b in range(usable) if b not in snap.live and not (self.null and b == 0)

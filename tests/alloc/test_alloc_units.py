@@ -273,6 +273,54 @@ def test_background_precommit_keeps_the_reserve(vrange: HostRange) -> None:
     assert vrange.footprint_bytes() == 0
 
 
+def test_forecast_commits_ahead_within_the_policy_and_gives_back(vrange: HostRange) -> None:
+    """Pages for a forecast demand are committed before the allocation that needs them (it
+    then commits nothing), never past the policy, and go back once the forecast drops."""
+    budget = FixedBudget(6 * PAGE)
+    with BlockAllocator(GEOMETRY, vrange, budget, max_hot_pages=0) as alloc:
+        commits: list[float] = []
+        alloc.commit_observer = commits.append
+        alloc.forecast(12)  # the null slab's 7 free blocks + one more slab (2 pages)
+        assert alloc.hot_reserve_cap == 3  # 12 of 40 blocks on 10 pages, rounded up
+        assert alloc.precommit() == 2
+        assert len(alloc.hot_pages()) == 2 and len(commits) == 1
+        blocks = alloc.allocate(12)
+        assert blocks is not None and len(commits) == 1  # served from pages committed ahead
+        alloc.forecast(40)  # more than the 6-page budget holds
+        assert alloc.precommit() == 2  # one more slab, then the policy refuses
+        assert vrange.footprint_bytes() == 6 * PAGE == budget.admitted_bytes
+        alloc.free(blocks)  # the forecast still wants its pages: they stay hot
+        assert len(alloc.committed_pages()) == 6
+        alloc.forecast(0)  # the demand went away: the next round gives the pages back
+        assert alloc.precommit() == 0
+        assert alloc.hot_pages() == frozenset()
+        assert alloc.committed_pages() == alloc.null_block_pages()
+        assert alloc.stats().pages_precommitted == 4
+        with pytest.raises(ValueError, match=">= 0"):
+            alloc.forecast(-1)
+
+
+def test_background_thread_follows_the_forecast(vrange: HostRange) -> None:
+    alloc = BlockAllocator(GEOMETRY, vrange, max_hot_pages=0, background_precommit=True)
+    try:
+        assert alloc.precommits_in_background
+
+        def wait_for(pages: int) -> None:
+            deadline = time.monotonic() + 10
+            while len(alloc.committed_pages()) != pages:
+                assert time.monotonic() < deadline, f"never reached {pages} committed pages"
+                time.sleep(0.01)
+
+        alloc.forecast(20)  # 7 + 8 + 8 free blocks: two slabs beyond the null slab's
+        wait_for(6)
+        alloc.forecast(0)
+        wait_for(2)
+        assert alloc._precommit is not None and alloc._precommit.last_error is None
+    finally:
+        alloc.close()
+    assert vrange.footprint_bytes() == 0
+
+
 def test_precommit_thread_stops_cleanly_when_idle(vrange: HostRange) -> None:
     alloc = BlockAllocator(GEOMETRY, vrange, background_precommit=True)
     thread = alloc._precommit

@@ -139,6 +139,20 @@ def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
     assert elastic["concurrent"] == native["concurrent"]
 
 
+def test_precommit_ahead_of_demand_identical_outputs(runs: EngineRuns) -> None:
+    """``ELASTICKV_PRECOMMIT=1`` under a budget that forces preemption: the background
+    thread commits pages for the forecast demand while steps run, never past the budget,
+    and the outputs stay native vLLM's."""
+    native = runs("tiny-llama", *ALL)
+    budget = 5 * PAGE
+    args = ("concurrent", "--max-tokens", "64")
+    extra = {"ELASTICKV_BUDGET": str(budget), "ELASTICKV_PRECOMMIT": "1"}
+    elastic = runs("tiny-llama", *args, **extra, **ELASTIC)
+    assert elastic["after"]["pages_precommitted"] > 0
+    assert max(s["footprint_bytes"] for s in elastic["samples"]) <= budget
+    assert elastic["concurrent"] == native["concurrent"]
+
+
 def test_budget_with_prefix_hits_on_parked_blocks(runs: EngineRuns) -> None:
     """Long prompts (several full blocks) under a tight budget: preempted requests come back
     as prefix-cache hits on their own parked blocks while the budget is full; outputs stay

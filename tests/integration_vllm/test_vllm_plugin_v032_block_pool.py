@@ -9,6 +9,7 @@ again, and the engine died with "remove() called on an invalid block" (seen unde
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,9 +23,9 @@ from elastickv.vmm import host_granularity
 PAGE = host_granularity()
 
 
-def make_pool(num_blocks: int, budget_pages: int) -> Any:
+def make_pool(num_blocks: int, budget_pages: int, *, precommit: bool = False) -> Any:
     """An elastic pool of ``num_blocks`` blocks, one block per page, ``budget_pages`` pages
-    allowed (the null block takes one)."""
+    allowed (the null block takes one), with the pre-commit thread if ``precommit``."""
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
     # One block per page: 1 layer, 1 KV head, 16 tokens of 2×32 fp32 = 4 KiB.
@@ -33,7 +34,9 @@ def make_pool(num_blocks: int, budget_pages: int) -> Any:
         head_size=PAGE // 128, dtype="float32", layout="HND",
     )  # fmt: skip
     assert geometry.backing_bytes == num_blocks * PAGE
-    config = ElasticConfig(page_size=PAGE, budget_bytes=budget_pages * PAGE, hot_max_pages=0)
+    config = ElasticConfig(
+        page_size=PAGE, budget_bytes=budget_pages * PAGE, hot_max_pages=0, precommit=precommit
+    )
     store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
     REGISTRY.publish(store)
     return ElasticBlockPool(num_blocks, True, 16)
@@ -159,6 +162,43 @@ def test_admission_headroom_is_vllms_own_where_its_blocks_are_short() -> None:
         assert allocate(tight, 1, [], headroom=0) is not None  # growth needs no headroom
     finally:
         tight.close_elastic()
+
+
+def test_forecast_demand_precommits_the_next_steps_blocks() -> None:
+    """After a step is planned, the pool forecasts the next one (one block per running
+    request, the blocks of the waiting requests there is room to admit) and the background
+    thread commits them, so the allocation that follows commits nothing itself."""
+    from types import SimpleNamespace
+
+    made = make_pool(32, 8, precommit=True)
+    try:
+
+        def waiting(tokens: int) -> SimpleNamespace:
+            return SimpleNamespace(num_tokens=tokens)
+
+        running = allocate(made, 1, [])
+        assert running is not None
+        scheduler = SimpleNamespace(
+            running=[object()],
+            waiting=[waiting(20), waiting(40), waiting(16)],  # 2, 3 and 1 blocks of 16
+            max_num_running_reqs=3,  # room for the first two
+        )
+        made.forecast_demand(scheduler)
+        assert made.allocator.hot_reserve_cap == 6  # 1 + 2 + 3 blocks, one page each
+        deadline = time.monotonic() + 10
+        while made.elastic_stats()["pages_precommitted"] < 6:
+            assert time.monotonic() < deadline, made.elastic_stats()
+            time.sleep(0.01)
+        committed = made.elastic_stats()["pages_committed"]
+        assert allocate(made, 5, []) is not None
+        assert made.elastic_stats()["pages_committed"] == committed  # nothing on the path
+        scheduler.running, scheduler.waiting = [], []
+        made.forecast_demand(scheduler)  # no demand: the unused page goes back
+        while made.elastic_stats()["hot_pages"]:
+            assert time.monotonic() < deadline, made.elastic_stats()
+            time.sleep(0.01)
+    finally:
+        made.close_elastic()
 
 
 @pytest.mark.parametrize("caching", [False, True])

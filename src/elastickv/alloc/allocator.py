@@ -113,6 +113,7 @@ class AllocatorStats:
     pages_released: int
     rollbacks: int
     last_error: str | None
+    pages_precommitted: int = 0  # of ``pages_committed``: ahead of demand (:meth:`precommit`)
 
     @property
     def committed_bytes(self) -> int:
@@ -173,6 +174,10 @@ class BlockAllocator:
         self._page_bytes = vmm_range.bytes_per_page
         self._min_hot = min_hot_pages
         self._max_hot = max_hot_pages
+        # Blocks the scheduler expects to allocate soon, and the hot pages that may be kept
+        # for them beyond ``max_hot_pages`` (see :meth:`forecast`).
+        self._forecast = 0
+        self._forecast_pages = 0
         self._lock = _TokenLock()
         self._closed = False
 
@@ -215,6 +220,7 @@ class BlockAllocator:
         self._warm_free = 0
         self._allocations = self._refusals = self._frees = 0
         self._pages_committed = self._pages_released = self._rollbacks = 0
+        self._pages_precommitted = 0
         self._last_error: str | None = None
         # Called with the seconds each page commit took (admission + backend), e.g. by a
         # metrics histogram; None costs nothing.
@@ -348,6 +354,7 @@ class BlockAllocator:
                 pages_released=self._pages_released,
                 rollbacks=self._rollbacks,
                 last_error=self._last_error,
+                pages_precommitted=self._pages_precommitted,
             )
 
     # -- allocation ---------------------------------------------------------------------------
@@ -684,13 +691,14 @@ class BlockAllocator:
             self._cap_reserve()
 
     def _cap_reserve(self) -> None:
-        """After pages joined the reserve: release what is beyond its maximum. Freeing only
-        ever grows the reserve, so only the maximum needs checking. A failed release leaves
-        its pages hot and is recorded in ``last_error``; the blocks are freed either way, so
-        the caller is not interrupted."""
-        if self._hot_own + len(self._hot_shared) > self._max_hot:
+        """After pages joined the reserve: release what is beyond its maximum (raised while a
+        forecast wants more). Freeing only ever grows the reserve, so only the maximum needs
+        checking. A failed release leaves its pages hot and is recorded in ``last_error``;
+        the blocks are freed either way, so the caller is not interrupted."""
+        cap = self.hot_reserve_cap
+        if self._hot_own + len(self._hot_shared) > cap:
             with contextlib.suppress(ReleaseError):
-                self._shrink_hot(self._max_hot)
+                self._shrink_hot(cap)
 
     def _last_live_gone(self, slab: int) -> None:
         """``slab`` lost its last live block: its (all committed) pages join the reserve."""
@@ -750,22 +758,66 @@ class BlockAllocator:
             self._check_in()
             return self._shrink_hot(keep_pages)
 
+    def forecast(self, blocks: int) -> None:
+        """The scheduler expects to allocate about ``blocks`` blocks soon (its waiting
+        prompts, its running requests' next blocks). With the background thread, cold slabs
+        are committed ahead of that demand, so the step that needs them does not wait for
+        the commit; never past the policy, nor past the pages ``blocks`` blocks take. Hot
+        pages kept for a forecast beyond ``max_hot_pages`` go back once it drops (the
+        thread's next round, or the next free). Once per scheduler step: no lock, a hint."""
+        if blocks < 0:
+            raise ValueError(f"a forecast is a number of blocks >= 0, got {blocks}")
+        self._forecast = blocks
+        # Pages ``blocks`` blocks take at this geometry's density (rounded up).
+        self._forecast_pages = -(-blocks * self._touched_pages // self._num_blocks)
+        thread = self._precommit
+        if thread is not None and (
+            blocks > self._warm_free or self._num_hot > self.hot_reserve_cap
+        ):
+            thread.wake()
+
+    @property
+    def hot_reserve_cap(self) -> int:
+        """Hot pages kept at most now: ``max_hot_pages``, raised to the pages of the latest
+        :meth:`forecast` while that is larger."""
+        return max(self._max_hot, self._forecast_pages)
+
+    @property
+    def precommits_in_background(self) -> bool:
+        """Whether a background thread commits ahead of demand (:meth:`forecast` acts)."""
+        return self._precommit is not None
+
     def precommit(self) -> int:
-        """Commit whole cold slabs until the hot reserve reaches ``min_hot_pages`` (never past
-        ``max_hot_pages``); returns the pages committed. The background thread calls this."""
+        """Commit whole cold slabs until the hot reserve reaches ``min_hot_pages`` and the free
+        blocks on committed pages cover the forecast (never past ``max_hot_pages`` or the
+        pages of the forecast, whichever is larger), then release hot pages beyond that
+        (a forecast that dropped); returns the pages committed. The background thread calls
+        this."""
+        cap = self.hot_reserve_cap
+        if (
+            self._min_hot <= self._num_hot <= cap and self._warm_free >= self._forecast
+        ):  # nothing to do (read without the lock: the scheduler's path stays uncontended)
+            return 0
         done = 0
         with self._lock:
             self._check_in()
-            while not self._closed and self._num_hot < self._min_hot:
+            cap = self.hot_reserve_cap
+            while not self._closed and (
+                self._num_hot < self._min_hot or self._warm_free < self._forecast
+            ):
                 slab = self._next_cold_slab()
                 if slab is None:
                     break
                 pages = {p for p in self._slab_pages[slab] if not self._committed[p]}
-                if self._num_hot + len(pages) > self._max_hot:
+                if self._num_hot + len(pages) > cap:
                     break
                 if not self._commit_pages(pages):
                     break
                 done += len(pages)
+            self._pages_precommitted += done
+            if not self._closed and self._num_hot > cap:
+                with contextlib.suppress(ReleaseError):
+                    self._shrink_hot(cap)
         return done
 
     def _next_cold_slab(self) -> int | None:

@@ -64,6 +64,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self.null_block.block_id != 0:
             raise ElasticKVStartupError("vLLM's null block is not block 0")
         self.elastic_store: ElasticStore = store
+        self._block_tokens = store.geometry.block_size
         self.registration = registration_of(store.policy)
         try:
             self.allocator: BlockAllocator = store.make_allocator()
@@ -204,6 +205,29 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._notify_reuse(blocks)
         self.allocator.free(victims)
         return True
+
+    # -- pre-commit ahead of demand (scheduler hook) ------------------------------------------
+
+    def forecast_demand(self, scheduler: Any) -> None:
+        """A step was just planned: tell the allocator what the next one will likely take,
+        so its background thread commits those pages while this step runs instead of the
+        next step waiting for them. Counted: one block per running request (its next block;
+        an upper bound) and the blocks of every waiting request the next step could admit
+        (tokens so far, no prefix hits: an upper bound too). The allocator commits no more
+        than the limit allows and gives pages back when the demand does not come. Nothing
+        without the thread (``ELASTICKV_PRECOMMIT``)."""
+        allocator = self.allocator
+        if not allocator.precommits_in_background:
+            return
+        running = len(scheduler.running)
+        blocks = running
+        room = scheduler.max_num_running_reqs - running
+        waiting = scheduler.waiting
+        if room > 0 and waiting:
+            size = self._block_tokens
+            for request in itertools.islice(waiting, room):
+                blocks += -(-request.num_tokens // size)
+        allocator.forecast(blocks)
 
     # -- batched frees (scheduler hook) -----------------------------------------------------
 
@@ -443,6 +467,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             "hot_pages": stats.hot_pages,
             "page_size": stats.page_size,
             "refusals": stats.refusals,
+            "pages_committed": stats.pages_committed,
+            "pages_precommitted": stats.pages_precommitted,
             "footprint_bytes": self.elastic_store.footprint_bytes(),
         }
 

@@ -40,6 +40,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "most physical KV bytes this engine may commit: 2G, 30% (of the device budget) or none",
     ),
     "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
+    "precommit": (
+        "ELASTICKV_PRECOMMIT",
+        "commit pages ahead of the scheduler's foreseeable demand, in a background thread "
+        "(default 0)",
+    ),
     "instance_name": (
         "ELASTICKV_INSTANCE",
         "name in the ledger / `elastickv list` (default: served model name and port)",
@@ -97,6 +102,7 @@ class ElasticConfig:
     virtual_capacity_bytes: int | None = None
     budget_bytes: int | None = None
     strict: bool = True
+    precommit: bool = False
     instance_name: str | None = None
     check_commits: bool = False
     ledger_dir: str | None = None
@@ -237,6 +243,7 @@ class ElasticConfig:
         budget_bytes, budget_percent = _budget(get("budget_bytes"))
         strict_text = get("strict")
         check_text = get("check_commits")
+        precommit_text = get("precommit")
         return cls(
             page_size=size("page_size") or DEFAULT_PAGE_SIZE,
             hot_min_pages=count("hot_min_pages", 0),
@@ -245,6 +252,8 @@ class ElasticConfig:
             budget_bytes=budget_bytes,
             budget_percent=budget_percent,
             strict=True if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
+            precommit=precommit_text is not None
+            and _parse_bool("ELASTICKV_PRECOMMIT", precommit_text),
             instance_name=get("instance_name"),
             check_commits=check_text is not None
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),

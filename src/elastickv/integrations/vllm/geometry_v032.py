@@ -1,17 +1,16 @@
-"""vLLM 0.32's ``KVCacheConfig`` → our :class:`KVCacheGeometry`, and the check of vLLM's views.
+"""vLLM 0.32's ``KVCacheConfig`` → our :class:`KVCacheGeometry`.
 
 vLLM builds its per-layer views itself; we derive the same views independently from the
-published strides and layout name, and refuse to run if the two disagree (a disagreement
-means our page accounting would commit the wrong bytes).
+published strides and layout name, and the worker refuses to run if the two disagree
+(:func:`~elastickv.integrations.vllm.worker.verify_views`: a disagreement means our page
+accounting would commit the wrong bytes).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from elastickv.geometry import Contract, GeometryError, KVCacheGeometry, layer_views
+from elastickv.geometry import Contract, GeometryError, KVCacheGeometry
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 
 _SUPPORTED_SPECS = ("FullAttentionSpec",)
@@ -83,29 +82,3 @@ def geometry_from_config(
             f"{geometry.backing_bytes}; refusing to guess the layout"
         )
     return geometry
-
-
-def verify_views(
-    geometry: KVCacheGeometry,
-    layer_names: list[str],
-    views: dict[str, torch.Tensor],
-    backing: torch.Tensor,
-) -> None:
-    """Every layer's view must be exactly the geometry's (shape, stride, offset, dtype) and
-    lie on ``backing``; otherwise start-up fails with the first difference."""
-    if backing.storage_offset() != 0:
-        raise ElasticKVStartupError("internal: the elastic backing must start at its storage")
-    base = backing.untyped_storage().data_ptr()
-    for name, expected in zip(layer_names, layer_views(geometry), strict=True):
-        view = views.get(name)
-        if view is None:
-            raise ElasticKVStartupError(f"vLLM built no KV cache view for layer {name!r}")
-        got = (tuple(view.shape), tuple(view.stride()), view.storage_offset(), view.dtype)
-        want = (expected.shape, expected.stride, expected.storage_offset, expected.dtype)
-        if got != want:
-            raise ElasticKVStartupError(
-                f"vLLM's KV cache view of layer {name!r} (shape, stride, offset, dtype) = "
-                f"{got} differs from elastickv's geometry {want}; refusing to run"
-            )
-        if view.untyped_storage().data_ptr() != base:
-            raise ElasticKVStartupError(f"layer {name!r}'s KV cache is not on elastickv storage")

@@ -55,13 +55,13 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
             from elastickv.integrations.vllm import (
                 engine_core,
                 kv_transfer,
-                scheduler_v032,
+                scheduler_hooks,
                 worker_v032,
             )
 
             worker_v032.install(config, policy_factory)
             engine_core.install(config, policy_factory)
-            scheduler_v032.install()
+            scheduler_hooks.install()
             kv_transfer.install(config.kv_read_hold_s)  # NIXL: refuse other layouts, hold unread
         elif contract is Contract.V028:
             from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028

@@ -1,12 +1,13 @@
-"""Scheduler-side hooks for vLLM 0.28–0.31: the 0.32 elastic block pool, adapted.
+"""vLLM 0.28–0.31's elastic block pool: the 0.32 one, adapted (the hooks are shared).
 
-0.28's ``BlockPool`` / ``KVCacheCoordinator`` / ``KVCacheManager`` have the shape the 0.32
-hooks rely on (``get_num_blocks_to_allocate`` then ``get_num_free_blocks`` inside
+0.28's ``BlockPool`` / ``KVCacheCoordinator`` / ``KVCacheManager`` have the shape the hooks
+rely on (``get_num_blocks_to_allocate`` then ``get_num_free_blocks`` inside
 ``allocate_slots``, ``get_new_blocks``, ``free_blocks``, ``touch``, ``evict_blocks``,
-``reset_prefix_cache``), so the same touch points apply. What 0.28 lacks: blocks that belong
-to another pool (``KVCacheBlock.pool``; 0.28's block is a slotted dataclass without it) and
-``unpin_blocks`` with its reuse watchers. :class:`ElasticBlockPoolV028` supplies an empty
-watcher table (so those paths are inert) and a ``free_blocks`` without the pool check.
+``reset_prefix_cache``), so ``scheduler_hooks`` applies unchanged. What 0.28 lacks: blocks
+that belong to another pool (``KVCacheBlock.pool``; 0.28's block is a slotted dataclass
+without it) and ``unpin_blocks`` with its reuse watchers. :class:`ElasticBlockPoolV028`
+supplies an empty watcher table (so those paths are inert) and a ``free_blocks`` without the
+pool check.
 """
 
 from __future__ import annotations
@@ -35,10 +36,7 @@ class ElasticBlockPoolV028(ElasticBlockPool):
 
 
 def install() -> None:
-    """The 0.32 scheduler hooks, with the 0.28 pool class in the coordinator's namespace."""
-    from vllm.v1.core import kv_cache_coordinator
+    """The scheduler hooks, with 0.28's pool class."""
+    from elastickv.integrations.vllm import scheduler_hooks
 
-    from elastickv.integrations.vllm import scheduler_v032
-
-    scheduler_v032.install()
-    kv_cache_coordinator.BlockPool = ElasticBlockPoolV028
+    scheduler_hooks.install(ElasticBlockPoolV028)

@@ -102,6 +102,7 @@ class ElasticStore:
             min_hot_pages=self.config.hot_min_pages,
             max_hot_pages=self.config.hot_max_pages,
             reserve_null_block=True,
+            background_precommit=self.config.precommit,
         )
 
     @property

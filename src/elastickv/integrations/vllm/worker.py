@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from elastickv.geometry import KVCacheGeometry
+from elastickv.geometry import KVCacheGeometry, layer_views
 from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
@@ -28,6 +28,9 @@ from elastickv.integrations.vllm.shared_pool import (
 )
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
 from elastickv.vmm import HostRange
+
+if TYPE_CHECKING:
+    import torch
 
 PERSISTENT_MARK = "_elastickv_persistent_kv"
 _POOL = "_elastickv_kv_pool"
@@ -148,3 +151,29 @@ def group_index(kv_cache_config: Any, layer_name: str) -> int:
         if layer_name in group.layer_names:
             return index
     raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")
+
+
+def verify_views(
+    geometry: KVCacheGeometry,
+    layer_names: list[str],
+    views: dict[str, torch.Tensor],
+    backing: torch.Tensor,
+) -> None:
+    """Every layer's view must be exactly the geometry's (shape, stride, offset, dtype) and
+    lie on ``backing``; otherwise start-up fails with the first difference."""
+    if backing.storage_offset() != 0:
+        raise ElasticKVStartupError("internal: the elastic backing must start at its storage")
+    base = backing.untyped_storage().data_ptr()
+    for name, expected in zip(layer_names, layer_views(geometry), strict=True):
+        view = views.get(name)
+        if view is None:
+            raise ElasticKVStartupError(f"vLLM built no KV cache view for layer {name!r}")
+        got = (tuple(view.shape), tuple(view.stride()), view.storage_offset(), view.dtype)
+        want = (expected.shape, expected.stride, expected.storage_offset, expected.dtype)
+        if got != want:
+            raise ElasticKVStartupError(
+                f"vLLM's KV cache view of layer {name!r} (shape, stride, offset, dtype) = "
+                f"{got} differs from elastickv's geometry {want}; refusing to run"
+            )
+        if view.untyped_storage().data_ptr() != base:
+            raise ElasticKVStartupError(f"layer {name!r}'s KV cache is not on elastickv storage")

@@ -29,7 +29,6 @@ from elastickv.integrations.vllm.geometry_v028 import (
     per_layer_tensors,
     plan_from_config,
 )
-from elastickv.integrations.vllm.geometry_v032 import verify_views
 from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
     PERSISTENT_MARK,
@@ -38,6 +37,7 @@ from elastickv.integrations.vllm.worker import (
     group_index,
     install_runner_hooks,
     place,
+    verify_views,
 )
 
 

@@ -28,7 +28,6 @@ from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.geometry_v032 import (
     geometry_from_config,
     single_tensor,
-    verify_views,
 )
 from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
@@ -38,6 +37,7 @@ from elastickv.integrations.vllm.worker import (
     group_index,
     install_runner_hooks,
     place,
+    verify_views,
 )
 
 

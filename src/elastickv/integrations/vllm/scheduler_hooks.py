@@ -1,16 +1,22 @@
-"""Scheduler-side hooks for vLLM 0.32: an elastic block pool and the admission window.
+"""Scheduler-side hooks, the same for vLLM 0.28–0.32: an elastic block pool and the
+admission window. Only the pool class differs by version (``scheduler_v028`` supplies 0.28's).
 
 Three touch points in ``vllm.v1.core``:
 
-* ``kv_cache_coordinator.BlockPool`` → :class:`ElasticBlockPool` (every coordinator builds
-  its pool through that name; there is no injection parameter);
+* ``kv_cache_coordinator.BlockPool`` → the elastic pool class (every coordinator builds its
+  pool through that name; there is no injection parameter);
 * ``KVCacheCoordinator.get_num_blocks_to_allocate`` → also tells the pool the number;
 * ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
   happens before vLLM's fit check and unused backing is returned right after; admitting a
   waiting request also needs one block of headroom per request already holding blocks.
 
+Both run for every running request in every step, so they forward vLLM's arguments with the
+methods' own signatures (:func:`~elastickv.integrations.vllm.hooks.forward_positionally`).
+
 And three on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
-engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`), ``update_from_output``
+engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`) and afterwards forecasts the
+next step's blocks for the pre-commit thread (:meth:`ElasticBlockPool.forecast_demand`),
+``update_from_output``
 hands the blocks its finished requests free to the allocator in one batch
 (:meth:`ElasticBlockPool.begin_free_batch`), ``shutdown`` returns the pages and unregisters
 the engine from the ledger.
@@ -20,12 +26,17 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastickv.integrations.vllm.hooks import forward_positionally, wrap_method
 
+if TYPE_CHECKING:
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
-def install() -> None:
+
+def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
+    """Install the hooks; ``pool_class`` (default :class:`ElasticBlockPool`) is the pool
+    every coordinator builds."""
     from vllm.v1.core import kv_cache_coordinator, kv_cache_manager
     from vllm.v1.core.sched import scheduler
     from vllm.v1.request import RequestStatus
@@ -34,7 +45,7 @@ def install() -> None:
 
     running_status = RequestStatus.RUNNING
 
-    kv_cache_coordinator.BlockPool = ElasticBlockPool
+    kv_cache_coordinator.BlockPool = pool_class or ElasticBlockPool
 
     def need_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         # (request_id, num_tokens, new_computed_blocks, ...) in 0.28 and 0.32
@@ -96,9 +107,12 @@ def install() -> None:
     def schedule_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             pool = _elastic_pool(self)
-            if pool is not None:
-                pool.sync_limit()  # live limits, once per step, in the scheduler's thread
-            return original(self, *args, **kwargs)
+            if pool is None:
+                return original(self, *args, **kwargs)
+            pool.sync_limit()  # live limits, once per step, in the scheduler's thread
+            output = original(self, *args, **kwargs)
+            pool.forecast_demand(self)  # the next step's pages, committed while this one runs
+            return output
 
         return schedule
 
