@@ -9,6 +9,10 @@ their whole process trees awaited. Reported per side (medians) and as ratios ela
 (medians of per-pair ratios): output tokens/s, mean and p99 time to first token, start-up.
 Greedy outputs must be identical across every server of both sides.
 
+``--budget B`` gives both sides B bytes of physical KV: native vLLM a KV cache of B, elastickv a
+limit of B (``ELASTICKV_BUDGET``, 64 KiB pages) under the full virtual cache, so both sides
+run short of blocks (native preempts, elastickv refuses and preempts) on the same memory.
+
 ``--cold-burst`` runs the cold-burst workload: 64 requests at once against engines that run 16
 at a time, the elastic side releasing every page it frees (``ELASTICKV_HOT_MAX_PAGES=0``,
 64 KiB pages), so each pass starts cold and its commits land on the scheduler's path unless
@@ -254,7 +258,7 @@ def run_round(
     work: Workload,
     envs: dict[str, dict[str, str]],
     tmp: Path,
-    server_args: list[str],
+    server_args: dict[str, list[str]],
 ) -> tuple[list[Started], list[Pass], dict[str, list[float]], list[list[str]]]:
     """Start both servers one after the other, then alternate timed passes between them."""
     order = ["native", "elastic"] if index % 2 == 0 else ["elastic", "native"]
@@ -266,7 +270,7 @@ def run_round(
         servers: dict[str, tuple[Server, float]] = {}
         for side in order:
             servers[side] = stack.enter_context(
-                server(model, envs[side], tmp / f"{side}-{index}.log", server_args)
+                server(model, envs[side], tmp / f"{side}-{index}.log", server_args[side])
             )
         for side in order:  # warm-up, untimed
             run_wave(servers[side][0], work, prompts(work.requests)[: work.concurrency])
@@ -406,6 +410,13 @@ def main() -> int:
         "with no page committed (compare with --elastic-env ELASTICKV_PRECOMMIT=1)",
     )
     parser.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help="physical KV bytes of both sides: native vLLM's KV cache, elastickv's limit "
+        "(ELASTICKV_BUDGET, 64 KiB pages) under the full virtual cache",
+    )
+    parser.add_argument(
         "--kv-cache-bytes",
         type=int,
         default=None,
@@ -433,6 +444,11 @@ def main() -> int:
         elastic_env["ELASTICKV_PAGE_SIZE"] = str(SATURATE_PAGE_BYTES)
     if args.cold_burst:
         elastic_env.update(COLD_BURST_ENV)
+    if args.budget is not None:
+        if not 0 < args.budget < kv_bytes:
+            parser.error(f"--budget must be above 0 and below the KV cache ({kv_bytes} bytes)")
+        elastic_env["ELASTICKV_BUDGET"] = str(args.budget)
+        elastic_env.setdefault("ELASTICKV_PAGE_SIZE", str(SATURATE_PAGE_BYTES))
     for item in args.elastic_env:
         key, sep, value = item.partition("=")
         if not sep or not key.startswith("ELASTICKV_"):
@@ -449,15 +465,22 @@ def main() -> int:
     rounds = args.rounds or (1 if quick else 2)
     if args.tensor_parallel_size < 1:
         parser.error("--tensor-parallel-size must be at least 1")
-    server_args = [*SERVER_ARGS, "--kv-cache-memory-bytes", str(kv_bytes)]
+    base_args = list(SERVER_ARGS)
     if args.cold_burst:
-        server_args += ["--max-num-seqs", str(COLD_BURST_MAX_NUM_SEQS)]
+        base_args += ["--max-num-seqs", str(COLD_BURST_MAX_NUM_SEQS)]
     common: dict[str, str] = {}
     if args.tensor_parallel_size > 1:
-        server_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
+        base_args += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
         common["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", thread_binding(args.tensor_parallel_size)
         )
+    # With --budget, native vLLM gets that much KV cache and elastickv a limit of that much
+    # under the full virtual cache: the same physical memory on both sides.
+    native_kv_bytes = kv_bytes if args.budget is None else args.budget
+    server_args = {
+        "native": [*base_args, "--kv-cache-memory-bytes", str(native_kv_bytes)],
+        "elastic": [*base_args, "--kv-cache-memory-bytes", str(kv_bytes)],
+    }
 
     from elastickv.models import ensure_tiny_model
 
@@ -507,6 +530,7 @@ def main() -> int:
             "saturate": args.saturate,
             "cold_burst": args.cold_burst,
             "kv_cache_bytes": kv_bytes,
+            "budget": args.budget,
         },
         "server_args": server_args,
         "elastic_env": elastic_env,
@@ -561,9 +585,15 @@ def print_tables(report: dict[str, Any]) -> None:
         console.print(f"{side} CPU seconds per timed pass: {cpu}")
     cpu = ", ".join(f"{k} {v:.3f}" for k, v in report["cpu_ratios"].items())
     console.print(f"CPU per pass, elastic/native (median over rounds): {cpu}")
+    budget = work["budget"]
+    memory = (
+        f"KV cache {work['kv_cache_bytes'] / 2**20:g} MiB"
+        if budget is None
+        else f"{budget / 2**20:g} MiB of KV on both sides (native's cache, elastickv's limit "
+        f"under {work['kv_cache_bytes'] / 2**20:g} MiB virtual)"
+    )
     console.print(
-        f"KV cache {work['kv_cache_bytes'] / 2**20:g} MiB "
-        f"({median['native']['kv_cache_tokens']} tokens); preemptions per server: "
+        f"{memory} (native {median['native']['kv_cache_tokens']} tokens); preemptions per server: "
         f"native {median['native']['preemptions']}, elastic {median['elastic']['preemptions']}"
     )
     console.print(

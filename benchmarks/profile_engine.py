@@ -33,11 +33,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_vllm import prompts  # the same prompts as the server benchmark
+
 from elastickv.bench.vllm_server import hermetic_env, ledger_env, vllm_version
 
 BLOCK_SIZE = 32
 KV_CACHE_BYTES = 64 << 20
-WORDS = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light", "cloud", "iron"]
 # (label, file suffix, function): the scheduler's entry points and the KV-cache calls
 # elastickv hooks. A hooked function appears twice (vLLM's and elastickv's wrapper or
 # forwarder of the same name); the larger cumulative time, the wrapper's, is the one reported.
@@ -55,13 +56,6 @@ ENTRY_POINTS = [
 HOOK_FILES = ("elastickv/integrations/vllm/scheduler_hooks.py",)
 FORWARDER_FILE = "<elastickv forwarder"  # hooks.forward_positionally's generated code
 SCHEDULER_MODULES = ("vllm/v1/core/", "elastickv/")
-
-
-def prompts(n: int) -> list[str]:
-    return [
-        f"Request {i}: " + " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(4 + i % 9))
-        for i in range(n)
-    ]
 
 
 def cumulative(stats: dict[Any, Any], suffix: str, name: str) -> tuple[float, int]:
