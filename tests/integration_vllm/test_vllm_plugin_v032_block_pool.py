@@ -141,6 +141,35 @@ def test_admission_leaves_running_requests_room_to_grow(pool: object) -> None:
     assert admission_headroom(SimpleNamespace(), waiting) == 0
 
 
+def test_admission_headroom_counts_holders_whose_next_token_needs_a_block() -> None:
+    """With the scheduler's requests known, only holders that fill every block they hold
+    count: one in the middle of a block takes no block in the next step (counting it too
+    kept a binding limit's batches a block per running request short of native vLLM's)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from elastickv.integrations.vllm.block_pool import admission_headroom
+
+    two = [object(), object()]
+    holders = {"full": two, "middle": two, "gone": two, "idle": [], "new": []}
+    requests = {
+        "full": SimpleNamespace(num_tokens=32),  # 2 blocks of 16, both full: needs a third
+        "middle": SimpleNamespace(num_tokens=20),  # room for 12 more tokens
+        "idle": SimpleNamespace(num_tokens=0),
+    }  # "gone" holds blocks but is unknown to the scheduler: counted, to be safe
+    manager = SimpleNamespace(
+        coordinator=SimpleNamespace(
+            single_type_managers=[SimpleNamespace(req_to_blocks=holders, block_size=16)]
+        ),
+        block_pool=SimpleNamespace(tracked_requests=requests),
+    )
+    waiting = SimpleNamespace(status=RequestStatus.WAITING, request_id="new")
+    assert admission_headroom(manager, waiting) == 2
+    preempted = SimpleNamespace(status=RequestStatus.PREEMPTED, request_id="full")
+    assert admission_headroom(manager, preempted) == 1
+
+
 def test_admission_headroom_is_vllms_own_where_its_blocks_are_short() -> None:
     """Where vLLM's own free blocks run out before the limit does (no budget below the
     virtual size), admission is native vLLM's: a request that fits now is admitted, and vLLM

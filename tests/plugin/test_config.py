@@ -107,3 +107,13 @@ def test_a_percentage_budget_without_the_ledger_is_of_physical_memory() -> None:
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert isinstance(policy, FixedBudget)
     assert policy.available_bytes() == physical // 4
+
+
+def test_precommit_and_the_commit_check_exclude_each_other() -> None:
+    """The commit check reads the pool's footprint across each forward; background
+    pre-commits grow it during the forward, which the check would report as a stray touch."""
+    with pytest.raises(ElasticKVStartupError, match="cannot be used together"):
+        ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "1", "ELASTICKV_CHECK_COMMITS": "1"})
+    assert ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "1"}).precommit
+    with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PRECOMMIT='maybe'"):
+        ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "maybe"})

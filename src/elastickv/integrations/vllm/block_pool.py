@@ -84,6 +84,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._free_batch: list[int] | None = None
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
+        self.tracked_requests: dict[str, Any] | None = None  # see :meth:`track_requests`
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         log_startup(store, self.allocator, self.registration)
@@ -139,15 +140,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             # running request in every step. (A headroom cannot refuse 0 blocks: vLLM's
             # test is ``need > free``.)
             return free
-        if self._back(need):
-            # The headroom never asks for more than vLLM's own free blocks could give after
-            # this admission: where those are what is short (the limit is not), admission is
-            # native vLLM's, which admits what fits now and preempts later.
-            headroom = min(self._headroom, free - need)
-            if headroom <= 0 or self._room_for(headroom):
-                return free
+        # The headroom never asks for more than vLLM's own free blocks could give after this
+        # admission: where those are what is short (the limit is not), admission is native
+        # vLLM's, which admits what fits now and preempts later. It is checked before any
+        # block is backed: an engine at its limit refuses the head of its queue on every
+        # step, and backing blocks only to hand them back would commit and release pages.
+        headroom = min(self._headroom, free - need)
+        if headroom > 0 and not self._room_for(max(0, need - len(self._stash)) + headroom):
             self._refusals.refused(need + headroom, self._committed_bytes)
             return 0  # admitting it would leave the running requests no room to grow
+        if self._back(need):
+            return free
         self._refusals.refused(need, self._committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
 
@@ -205,6 +208,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._notify_reuse(blocks)
         self.allocator.free(victims)
         return True
+
+    def track_requests(self, requests: dict[str, Any]) -> None:
+        """The scheduler's requests by id (its own dict, read at admission): the headroom
+        counts only the holders whose next token needs a new block."""
+        self.tracked_requests = requests
 
     # -- pre-commit ahead of demand (scheduler hook) ------------------------------------------
 
@@ -475,16 +483,35 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
 def admission_headroom(manager: Any, request: Any) -> int:
     """Blocks to keep free when ``allocate_slots`` admits ``request``: one for every other
-    request that holds blocks (each may need its next block within ``block_size`` tokens);
-    0 for a running request's own growth, or when vLLM's internals are not as expected."""
+    request that holds blocks and fills them all, so its next token needs a new block (the
+    pool knows the scheduler's requests from :meth:`ElasticBlockPool.track_requests`; without
+    them, every other holder counts); 0 for a running request's own growth, or when vLLM's
+    internals are not as expected.
+
+    Why only those: a holder in the middle of a block takes no block in the next step, and
+    counting every holder kept each batch a block per running request short of native
+    vLLM's under a binding limit (64 requests at 32, 1.5 MiB on both sides: 0.67x native's
+    throughput and 2.9x its TTFT; with this rule 0.75x and 1.6x)."""
     status = getattr(request, "status", _RUNNING)
     if status is _RUNNING or status == _RUNNING:  # identity first: the common, cheap case
         return 0
     try:
-        holders = manager.coordinator.single_type_managers[0].req_to_blocks
+        single = manager.coordinator.single_type_managers[0]
+        holders = single.req_to_blocks
     except (AttributeError, IndexError):
         return 0
-    holding: int = sum(map(bool, holders.values()))  # requests with blocks, counted in C
-    if holders.get(getattr(request, "request_id", None)):
-        holding -= 1  # not the request being admitted
+    me = getattr(request, "request_id", None)
+    requests = getattr(getattr(manager, "block_pool", None), "tracked_requests", None)
+    if requests is None:
+        holding: int = sum(map(bool, holders.values()))  # requests with blocks, counted in C
+        if holders.get(me):
+            holding -= 1  # not the request being admitted
+        return holding
+    size = single.block_size
+    holding = 0
+    for request_id, blocks in holders.items():
+        if blocks and request_id != me:
+            other = requests.get(request_id)
+            if other is None or other.num_tokens >= len(blocks) * size:
+                holding += 1
     return holding

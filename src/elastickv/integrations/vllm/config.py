@@ -124,6 +124,12 @@ class ElasticConfig:
                 "need 0 <= ELASTICKV_HOT_MIN_PAGES <= ELASTICKV_HOT_MAX_PAGES, got "
                 f"{self.hot_min_pages} and {self.hot_max_pages}"
             )
+        if self.precommit and self.check_commits:
+            raise ElasticKVStartupError(
+                "ELASTICKV_PRECOMMIT=1 and ELASTICKV_CHECK_COMMITS=1 cannot be used together: "
+                "the check compares the pool's footprint before and after each forward, and "
+                "pre-commits change it while the forward runs; set one of them to 0"
+            )
         if self.budget_bytes is not None and self.budget_percent is not None:
             raise ElasticKVStartupError("set ELASTICKV_BUDGET as a size or a percentage, not both")
         if self.budget_percent is not None and not 0 < self.budget_percent <= 100:

@@ -33,9 +33,9 @@ def forward_positionally(
     keyword parameters (then a ``*args, **kwargs`` wrapper must do).
 
     Why: vLLM's scheduler calls the methods we hook with keyword arguments, and a generic
-    wrapper packs them into a dict and unpacks them again on every call: measured 0.53 µs for
-    ``get_num_blocks_to_allocate``'s nine, against 0.18 µs for this one, on a path taken for
-    every running request in every step. The source is built from ``original``'s parameter
+    wrapper packs them into a dict and unpacks them again on every call: it added 0.53 µs per
+    call of ``get_num_blocks_to_allocate`` (nine keywords), this one 0.18 µs, on a path taken
+    for every running request in every step. The source is built from ``original``'s parameter
     names only (identifiers); defaults are the original's own objects."""
     params = list(inspect.signature(original).parameters.values())
     if not params or any(

@@ -8,18 +8,18 @@ Three touch points in ``vllm.v1.core``:
 * ``KVCacheCoordinator.get_num_blocks_to_allocate`` → also tells the pool the number;
 * ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
   happens before vLLM's fit check and unused backing is returned right after; admitting a
-  waiting request also needs one block of headroom per request already holding blocks.
+  waiting request also needs one block of headroom per running request whose next token
+  needs a new block (the pool reads the scheduler's requests, given it every step).
 
 Both run for every running request in every step, so they forward vLLM's arguments with the
 methods' own signatures (:func:`~elastickv.integrations.vllm.hooks.forward_positionally`).
 
 And three on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
 engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`) and afterwards forecasts the
-next step's blocks for the pre-commit thread (:meth:`ElasticBlockPool.forecast_demand`),
-``update_from_output``
-hands the blocks its finished requests free to the allocator in one batch
-(:meth:`ElasticBlockPool.begin_free_batch`), ``shutdown`` returns the pages and unregisters
-the engine from the ledger.
+next step's blocks for the pre-commit thread (:meth:`ElasticBlockPool.forecast_demand`);
+``update_from_output`` hands the blocks its finished requests free to the allocator in one
+batch (:meth:`ElasticBlockPool.begin_free_batch`); ``shutdown`` returns the pages and
+unregisters the engine from the ledger.
 """
 
 from __future__ import annotations
@@ -53,9 +53,12 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
 
         def count_and_expect(self: Any, args: tuple[Any, ...]) -> int:
             num = original(self, *args)
-            pool = self.block_pool
-            if isinstance(pool, ElasticBlockPool):
-                pool.expect(num, args[hits_at])
+            # 0 (most calls: running requests between blocks) needs no backing, and the pool
+            # answers vLLM's own free count when it was told nothing.
+            if num:
+                pool = self.block_pool
+                if isinstance(pool, ElasticBlockPool):
+                    pool.expect(num, args[hits_at])
             return num
 
         fast = forward_positionally(original, count_and_expect)
@@ -65,7 +68,7 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
         def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
             num = original(self, *args, **kwargs)
             pool = self.block_pool
-            if isinstance(pool, ElasticBlockPool):
+            if num and isinstance(pool, ElasticBlockPool):
                 hits = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else ())
                 pool.expect(num, hits)
             return num
@@ -110,6 +113,7 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
             if pool is None:
                 return original(self, *args, **kwargs)
             pool.sync_limit()  # live limits, once per step, in the scheduler's thread
+            pool.track_requests(self.requests)  # for the admission headroom
             output = original(self, *args, **kwargs)
             pool.forecast_demand(self)  # the next step's pages, committed while this one runs
             return output
