@@ -3,8 +3,8 @@
 Each contract's module (:mod:`.worker_v028`, :mod:`.worker_v032`) supplies only the three
 wrappers that differ (available memory, the persistent-allocation mark, the KV tensor
 placement); this module places the pool (in-process store or a pool the engine core attaches
-to), publishes it, installs the wrappers on vLLM's CPU classes, and adds the export RPC and
-the optional commit check.
+to), publishes it, installs the wrappers on vLLM's CPU classes, checks vLLM's views against
+the geometry (:func:`verify_views`), and adds the export RPC and the optional commit check.
 """
 
 from __future__ import annotations
