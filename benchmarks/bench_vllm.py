@@ -51,7 +51,9 @@ from elastickv.bench.monitor import counter, machine_report
 from elastickv.bench.vllm_server import (
     HOST,
     Server,
+    add_elastic_env_option,
     cpu_seconds,
+    elastic_settings,
     hermetic_env,
     ledger_env,
     scrape_metrics,
@@ -388,13 +390,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (64)")
     parser.add_argument("--passes", type=int, default=None, help="timed passes per server (6)")
     parser.add_argument("--rounds", type=int, default=None, help="native+elastic server pairs (2)")
-    parser.add_argument(
-        "--elastic-env",
-        action="append",
-        default=[],
-        metavar="ELASTICKV_X=VALUE",
-        help="extra setting for the elastic side (repeatable)",
-    )
+    add_elastic_env_option(parser)
     parser.add_argument(
         "--saturate",
         action="store_true",
@@ -449,11 +445,10 @@ def main() -> int:
             parser.error(f"--budget must be above 0 and below the KV cache ({kv_bytes} bytes)")
         elastic_env["ELASTICKV_BUDGET"] = str(args.budget)
         elastic_env.setdefault("ELASTICKV_PAGE_SIZE", str(SATURATE_PAGE_BYTES))
-    for item in args.elastic_env:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("ELASTICKV_"):
-            parser.error(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
-        elastic_env[key] = value
+    try:
+        elastic_env.update(elastic_settings(args.elastic_env))
+    except ValueError as exc:
+        parser.error(str(exc))
     quick = args.quick
     preset = SATURATE if args.saturate else COLD_BURST if args.cold_burst else DEFAULT_LOAD
     work = Workload(

@@ -35,7 +35,13 @@ from typing import Any
 
 from bench_vllm import prompts  # the same prompts as the server benchmark
 
-from elastickv.bench.vllm_server import hermetic_env, ledger_env, vllm_version
+from elastickv.bench.vllm_server import (
+    add_elastic_env_option,
+    elastic_settings,
+    hermetic_env,
+    ledger_env,
+    vllm_version,
+)
 
 BLOCK_SIZE = 32
 KV_CACHE_BYTES = 64 << 20
@@ -219,23 +225,12 @@ def child(args: argparse.Namespace) -> None:
     llm.llm_engine.engine_core.shutdown()
 
 
-def elastic_settings(items: list[str]) -> dict[str, str]:
-    """``--elastic-env`` items as variables; ValueError for one that is not ELASTICKV_X=V."""
-    settings = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("ELASTICKV_"):
-            raise ValueError(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
-        settings[key] = value
-    return settings
-
-
 def run_side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if side == "elastic":
         extra |= {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(args.kv_cache_bytes)}
         extra |= ledger_env(tmp / "ledger")
-        extra |= elastic_settings(args.elastic_env)
+        extra |= args.elastic_settings
     env = hermetic_env(tmp / f"vllm-cache-{side}", extra)
     command = [sys.executable, __file__, "--child", *sys.argv[1:]]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
@@ -281,7 +276,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "kv_cache_bytes": args.kv_cache_bytes,
-            "elastic_env": elastic_settings(args.elastic_env),
+            "elastic_env": args.elastic_settings,
         },
         "steps": {side: results[side]["steps"] for side in results},
         "unprofiled": {side: results[side]["timed"] for side in results},
@@ -341,13 +336,7 @@ def main() -> int:
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=KV_CACHE_BYTES, help="KV cache of both sides"
     )
-    parser.add_argument(
-        "--elastic-env",
-        action="append",
-        default=[],
-        metavar="ELASTICKV_X=VALUE",
-        help="extra setting for the elastic side (repeatable), e.g. ELASTICKV_BUDGET=1536K",
-    )
+    add_elastic_env_option(parser)
     parser.add_argument("--top", type=int, default=15, help="functions listed by own time")
     parser.add_argument(
         "--repeats", type=int, default=5, help="runs per engine; the fastest counts (5)"
@@ -369,7 +358,7 @@ def main() -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     try:
-        elastic_settings(args.elastic_env)
+        args.elastic_settings = elastic_settings(args.elastic_env)
     except ValueError as exc:
         parser.error(str(exc))
     if vllm_version() is None:

@@ -5,6 +5,7 @@ answers 200, stopped with SIGTERM and its whole process tree awaited. Shared by
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import signal
@@ -164,3 +165,25 @@ def cpu_seconds(srv: Server) -> dict[str, float]:
             name = "APIServer" if proc.pid == srv.proc.pid else proc.name()
             used[name] = used.get(name, 0.0) + times.user + times.system
     return used
+
+
+def add_elastic_env_option(parser: argparse.ArgumentParser) -> None:
+    """``--elastic-env ELASTICKV_X=VALUE`` (repeatable): a setting for the elastic side only."""
+    parser.add_argument(
+        "--elastic-env",
+        action="append",
+        default=[],
+        metavar="ELASTICKV_X=VALUE",
+        help="extra setting for the elastic side (repeatable), e.g. ELASTICKV_BUDGET=1536K",
+    )
+
+
+def elastic_settings(items: list[str]) -> dict[str, str]:
+    """``--elastic-env`` items as variables; ValueError for one that is not ELASTICKV_X=V."""
+    settings = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("ELASTICKV_"):
+            raise ValueError(f"--elastic-env wants ELASTICKV_X=VALUE, got {item!r}")
+        settings[key] = value
+    return settings
