@@ -216,10 +216,11 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(blocks=st.integers(0, 48))
     def forecast(self, blocks: int) -> None:
-        """A scheduler's forecast, then the pre-commit round the thread would run: whatever
-        it commits stays within the policy (the invariants) and the cap, and hot pages beyond
-        the cap (an earlier, larger forecast) are gone."""
+        """A scheduler's forecast: hot pages beyond the cap (an earlier, larger forecast)
+        are gone at once (no thread here). Then the pre-commit round the thread would run:
+        whatever it commits stays within the policy (the invariants) and the cap."""
         self.alloc.forecast(blocks)
+        assert len(self.alloc.hot_pages()) <= self.alloc.hot_reserve_cap
         self.alloc.precommit()
         assert len(self.alloc.hot_pages()) <= self.alloc.hot_reserve_cap
 

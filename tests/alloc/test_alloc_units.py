@@ -300,6 +300,26 @@ def test_forecast_commits_ahead_within_the_policy_and_gives_back(vrange: HostRan
             alloc.forecast(-1)
 
 
+def test_forecast_keeps_freed_pages_hot_until_it_drops(vrange: HostRange) -> None:
+    """Without the thread a forecast commits nothing ahead, but pages freed while it stands
+    stay hot up to its pages (an engine at its limit with requests waiting takes them again
+    a step later), and go back as soon as it drops, with no free needed to notice."""
+    with BlockAllocator(GEOMETRY, vrange, max_hot_pages=0) as alloc:
+        blocks = alloc.allocate(23)  # the null slab's 7 free blocks + two whole slabs
+        assert blocks is not None
+        committed = alloc.stats().pages_committed
+        alloc.forecast(16)  # 16 of 40 blocks on 10 pages: 4 pages
+        assert alloc.stats().pages_committed == committed and alloc.hot_reserve_cap == 4
+        alloc.free(blocks)
+        assert len(alloc.hot_pages()) == 4 and alloc.stats().pages_released == 0
+        assert alloc.allocate(16) is not None  # taken again: nothing committed
+        assert alloc.stats().pages_committed == committed
+        alloc.free(alloc.live_blocks() - {0})
+        alloc.forecast(0)
+        assert alloc.hot_pages() == frozenset() and alloc.forecast_blocks == 0
+        assert alloc.committed_pages() == alloc.null_block_pages()
+
+
 def test_background_thread_follows_the_forecast(vrange: HostRange) -> None:
     alloc = BlockAllocator(GEOMETRY, vrange, max_hot_pages=0, background_precommit=True)
     try:

@@ -230,6 +230,41 @@ def test_forecast_demand_precommits_the_next_steps_blocks() -> None:
         made.close_elastic()
 
 
+def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:
+    """Without pre-commit, an engine with requests waiting keeps the pages a finished request
+    frees (the next step takes them again) instead of releasing them and committing them
+    again; once nobody waits, or the engine idles, they go back."""
+    from types import SimpleNamespace
+
+    made = make_pool(32, 8)
+    try:
+        scheduler = SimpleNamespace(
+            running=[object()], waiting=[SimpleNamespace(num_tokens=64)], max_num_running_reqs=4
+        )
+        for demand_gone in ("the queue empties", "the engine idles"):
+            finished = allocate(made, 4, [])
+            assert finished is not None
+            scheduler.waiting = [SimpleNamespace(num_tokens=64)]
+            made.forecast_demand(scheduler)  # 1 running + a 4-block prompt
+            assert made.allocator.hot_reserve_cap == 5
+            committed = made.elastic_stats()["pages_committed"]
+            made.free_blocks(finished)
+            assert made.elastic_stats()["hot_pages"] == 4
+            admitted = allocate(made, 4, [])
+            assert admitted is not None
+            assert made.elastic_stats()["pages_committed"] == committed  # nothing committed
+            made.free_blocks(admitted)
+            if demand_gone == "the queue empties":
+                scheduler.waiting = []
+                made.forecast_demand(scheduler)
+            else:
+                made.idle_tick()
+            assert made.elastic_stats()["hot_pages"] == 0  # hot_max_pages=0 again
+            assert made.allocator.forecast_blocks == 0
+    finally:
+        made.close_elastic()
+
+
 @pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool) -> None:

@@ -760,21 +760,32 @@ class BlockAllocator:
 
     def forecast(self, blocks: int) -> None:
         """The scheduler expects to allocate about ``blocks`` blocks soon (its waiting
-        prompts, its running requests' next blocks). With the background thread, cold slabs
-        are committed ahead of that demand, so the step that needs them does not wait for
-        the commit; never past the policy, nor past the pages ``blocks`` blocks take. Hot
-        pages kept for a forecast beyond ``max_hot_pages`` go back once it drops (the
-        thread's next round, or the next free). Once per scheduler step: no lock, a hint."""
+        prompts, its running requests' next blocks). Until it drops, freed pages stay hot up
+        to the pages ``blocks`` blocks take (``hot_reserve_cap``), even beyond
+        ``max_hot_pages``: an engine at its limit with requests waiting would otherwise
+        release the pages a finished request frees and commit them again a step later. With
+        the background thread, cold slabs are also committed ahead of that demand, so the
+        step that needs them does not wait for the commit; never past the policy. Hot pages
+        beyond the cap go back once the forecast drops: at once without the thread, at its
+        next round with it. Once per scheduler step: no lock unless pages go back."""
         if blocks < 0:
             raise ValueError(f"a forecast is a number of blocks >= 0, got {blocks}")
         self._forecast = blocks
         # Pages ``blocks`` blocks take at this geometry's density (rounded up).
         self._forecast_pages = -(-blocks * self._touched_pages // self._num_blocks)
         thread = self._precommit
-        if thread is not None and (
-            blocks > self._warm_free or self._num_hot > self.hot_reserve_cap
-        ):
-            thread.wake()
+        if thread is not None:
+            if blocks > self._warm_free or self._num_hot > self.hot_reserve_cap:
+                thread.wake()
+        elif self._num_hot > self.hot_reserve_cap:  # the demand dropped: keep no more
+            with self._lock:
+                self._check_in()
+                self._cap_reserve()
+
+    @property
+    def forecast_blocks(self) -> int:
+        """The latest :meth:`forecast` (0 before any)."""
+        return self._forecast
 
     @property
     def hot_reserve_cap(self) -> int:

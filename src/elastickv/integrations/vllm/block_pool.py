@@ -217,25 +217,45 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     # -- pre-commit ahead of demand (scheduler hook) ------------------------------------------
 
     def forecast_demand(self, scheduler: Any) -> None:
-        """A step was just planned: tell the allocator what the next one will likely take,
-        so its background thread commits those pages while this step runs instead of the
-        next step waiting for them. Counted: one block per running request (its next block;
-        an upper bound) and the blocks of every waiting request the next step could admit
-        (tokens so far, no prefix hits: an upper bound too). The allocator commits no more
-        than the limit allows and gives pages back when the demand does not come. Nothing
-        without the thread (``ELASTICKV_PRECOMMIT``)."""
+        """A step was just planned: tell the allocator what the next one will likely take.
+        Counted: one block per running request (its next block; an upper bound) and the
+        blocks of every waiting request the next step could admit (tokens so far, no prefix
+        hits: an upper bound too; no more than vLLM's own free blocks).
+
+        Without the pre-commit thread this only matters while requests wait: the pages a
+        finishing request frees then stay committed for them instead of being released and
+        committed again a step later (churn at the limit). With no request waiting, the
+        forecast is zero and the hot reserve keeps its usual maximum. With the thread
+        (``ELASTICKV_PRECOMMIT``), the forecast always counts, and the thread commits those
+        pages while this step runs instead of the next step waiting for them. Either way
+        nothing goes past the limit, and pages go back once the demand is gone."""
         allocator = self.allocator
-        if not allocator.precommits_in_background:
+        waiting = scheduler.waiting
+        if not waiting and not allocator.precommits_in_background:
+            if allocator.forecast_blocks:
+                allocator.forecast(0)
             return
         running = len(scheduler.running)
         blocks = running
-        room = scheduler.max_num_running_reqs - running
-        waiting = scheduler.waiting
+        # vLLM 0.32 admits up to max_num_active_reqs (defaults to max_num_running_reqs).
+        limit = getattr(scheduler, "max_num_active_reqs", None) or scheduler.max_num_running_reqs
+        room = limit - running
         if room > 0 and waiting:
             size = self._block_tokens
+            admissible = self.free_block_queue.num_free_blocks
             for request in itertools.islice(waiting, room):
                 blocks += -(-request.num_tokens // size)
+                if blocks >= admissible:
+                    break
         allocator.forecast(blocks)
+
+    def idle_tick(self) -> int:
+        """The engine waits for work (its idle ticks): no demand is left to keep pages hot
+        for, and a lowered limit applies now (:meth:`sync_limit_idle`). Returns pages the
+        limit released."""
+        if self.allocator.forecast_blocks:
+            self.allocator.forecast(0)
+        return self.sync_limit_idle()
 
     # -- batched frees (scheduler hook) -----------------------------------------------------
 

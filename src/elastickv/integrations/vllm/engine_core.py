@@ -128,7 +128,7 @@ def guard_process(engine_core: Any) -> None:
     scheduler = getattr(engine_core, "scheduler", None)
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
     if isinstance(pool, ElasticBlockPool) and not tick_while_idle(
-        getattr(engine_core, "input_queue", None), pool.sync_limit_idle
+        getattr(engine_core, "input_queue", None), pool.idle_tick
     ):
         logger.warning(
             "elastickv: cannot watch this engine core's input queue; a limit lowered while "
