@@ -16,6 +16,10 @@ cProfile adds a fixed cost to every Python call, so small functions look bigger 
 use the shares to find where the time goes and ``bench_vllm.py`` / ``bench_alloc.py`` for
 what it costs.
 
+``--budget B``, as in ``bench_vllm.py``: native vLLM gets a KV cache of B, elastickv a limit of
+B (64 KiB pages) under its full virtual cache. The sides then run different numbers of steps
+(each preempts in its own way); compare the process CPU and the own-time lists.
+
     .venvs/vllm-0.32/bin/python benchmarks/profile_engine.py [--concurrency 32] [--json]
 """
 
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_vllm import prompts  # the same prompts as the server benchmark
+from bench_vllm import SATURATE_PAGE_BYTES, prompts  # the server benchmark's prompts
 
 from elastickv.bench.vllm_server import (
     add_elastic_env_option,
@@ -227,12 +231,17 @@ def child(args: argparse.Namespace) -> None:
 
 def run_side(side: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     extra = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    command = [sys.executable, __file__, "--child", *sys.argv[1:]]
     if side == "elastic":
         extra |= {"ELASTICKV": "1", "ELASTICKV_VIRTUAL_CAPACITY": str(args.kv_cache_bytes)}
+        if args.budget is not None:
+            extra |= {"ELASTICKV_BUDGET": str(args.budget)}
+            extra |= {"ELASTICKV_PAGE_SIZE": str(SATURATE_PAGE_BYTES)}
         extra |= ledger_env(tmp / "ledger")
         extra |= args.elastic_settings
+    elif args.budget is not None:
+        command += ["--kv-cache-bytes", str(args.budget)]  # the last one given counts
     env = hermetic_env(tmp / f"vllm-cache-{side}", extra)
-    command = [sys.executable, __file__, "--child", *sys.argv[1:]]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -276,6 +285,7 @@ def report(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict
             "concurrency": args.concurrency,
             "max_tokens": args.max_tokens,
             "kv_cache_bytes": args.kv_cache_bytes,
+            "budget": args.budget,
             "elastic_env": args.elastic_settings,
         },
         "steps": {side: results[side]["steps"] for side in results},
@@ -299,7 +309,9 @@ def print_report(data: dict[str, Any]) -> None:
     table = Table(
         title=f"vLLM {data['vllm']} engine core under cProfile: {work['requests']} requests x "
         f"{work['max_tokens']} tokens, at most {work['concurrency']} running, "
-        f"elastic settings {work['elastic_env'] or 'default'} (µs per scheduler step)"
+        f"elastic settings {work['elastic_env'] or 'default'}"
+        + ("" if work["budget"] is None else f", {work['budget']} bytes of KV on both sides")
+        + " (µs per scheduler step)"
     )
     for column in ("entry point", "native", "elastic", "elastic/native"):
         table.add_column(column)
@@ -336,6 +348,11 @@ def main() -> int:
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=KV_CACHE_BYTES, help="KV cache of both sides"
     )
+    parser.add_argument(
+        "--budget",
+        type=int,
+        help="physical KV bytes of both sides: native's KV cache, elastickv's limit",
+    )
     add_elastic_env_option(parser)
     parser.add_argument("--top", type=int, default=15, help="functions listed by own time")
     parser.add_argument(
@@ -357,6 +374,9 @@ def main() -> int:
     ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    budget_ok = args.budget is None or 0 < args.budget < args.kv_cache_bytes
+    if not (args.child or budget_ok):  # (native's child gets a KV cache of the budget)
+        parser.error(f"--budget must be above 0 and below the KV cache ({args.kv_cache_bytes})")
     try:
         args.elastic_settings = elastic_settings(args.elastic_env)
     except ValueError as exc:
