@@ -9,8 +9,9 @@ the geometry (:func:`verify_views`), and adds the export RPC and the optional co
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from elastickv.geometry import KVCacheGeometry, layer_views
@@ -129,21 +130,41 @@ def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
     """The KV bytes to tell vLLM it has: the virtual capacity, but never more than the engine
     can use at once (``max_num_seqs`` requests of ``max_model_len`` tokens, plus the null
     block). vLLM builds one Python object per block at start-up, so blocks beyond that bound
-    would only cost start-up time and memory (1 TiB of a tiny model: 32M blocks, 120 s)."""
+    would only cost start-up time and memory (1 TiB of a tiny model: 32M blocks, 120 s).
+
+    The block count is a multiple of :func:`page_aligned_blocks` (rounded up from the bound,
+    down from the virtual capacity), so in a layer-major layout every layer starts on a page
+    boundary. Otherwise pages straddle the blocks of two layers at different block indices:
+    with a tiny model on 64 KiB pages, 8 pages held 12 blocks where 15 fit."""
     virtual = config.resolved_virtual_capacity()
     try:
         specs = list(worker.model_runner.get_kv_cache_spec().values())
         vllm_config = worker.vllm_config
         max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         max_len = int(vllm_config.model_config.max_model_len)
-        block_bytes = sum(int(spec.page_size_bytes) for spec in specs)
+        layer_bytes = [int(spec.page_size_bytes) for spec in specs]
         block_size = int(specs[0].block_size)
     except (AttributeError, IndexError, TypeError, ValueError):
         return virtual  # an unfamiliar runner: keep the configured capacity
-    if block_bytes <= 0 or block_size <= 0:
+    block_bytes = sum(layer_bytes)
+    if block_bytes <= 0 or block_size <= 0 or min(layer_bytes) <= 0:
         return virtual
-    usable_blocks = max_seqs * -(-max_len // block_size) + 1
-    return min(virtual, usable_blocks * block_bytes)
+    align = page_aligned_blocks(layer_bytes, config.page_size)
+    usable = max_seqs * -(-max_len // block_size) + 1
+    usable += -usable % align
+    fits = virtual // block_bytes
+    if fits >= align:
+        fits -= fits % align
+    return min(fits, usable) * block_bytes
+
+
+def page_aligned_blocks(layer_block_bytes: Iterable[int], page_size: int) -> int:
+    """The fewest blocks whose bytes in every layer fill whole pages: a block count that is a
+    multiple of it starts every layer of a layer-major layout on a page boundary."""
+    align = 1
+    for size in set(layer_block_bytes):
+        align = math.lcm(align, page_size // math.gcd(page_size, size))
+    return align
 
 
 def group_index(kv_cache_config: Any, layer_name: str) -> int:
