@@ -230,6 +230,51 @@ def test_forecast_demand_precommits_the_next_steps_blocks() -> None:
         made.close_elastic()
 
 
+def test_a_refusal_by_the_limit_stands_until_something_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine at its limit is refused the head of its queue on every step: the limit is
+    not asked again for as many blocks or more while nothing here changed, but it is for
+    fewer blocks, after a free, and once ``REFUSAL_RECHECK_S`` has passed."""
+    from elastickv.integrations.vllm import block_pool
+
+    made = make_pool(32, 5)
+    try:
+        held = allocate(made, 4, [])  # the null block's page + 4: the limit
+        assert held is not None
+        policy = made.allocator.policy
+        asked: list[str] = []
+
+        def counting(name: str) -> Any:
+            original = getattr(policy, name)
+
+            def counted(*args: Any) -> Any:
+                asked.append(name)
+                return original(*args)
+
+            return counted
+
+        for name in ("try_admit", "available_bytes"):
+            monkeypatch.setattr(policy, name, counting(name))
+        assert allocate(made, 2, []) is None and asked
+        before = len(asked)
+        assert allocate(made, 2, []) is None and allocate(made, 3, []) is None
+        assert len(asked) == before  # the same refusal stands
+        assert allocate(made, 1, []) is None and len(asked) > before  # fewer: asked again
+        made.free_blocks(held[:1])  # its page goes back: room for one
+        assert allocate(made, 1, []) is not None  # the free ended the refusal
+        before = len(asked)
+        assert allocate(made, 1, []) is None and allocate(made, 1, []) is None
+        assert len(asked) == before  # back to the state it was refused in: it stands
+        monkeypatch.setattr(block_pool, "REFUSAL_RECHECK_S", 0.0)
+        time.sleep(0.05)  # past the standing refusal's 0.02 s
+        assert allocate(made, 1, []) is None and allocate(made, 1, []) is None
+        assert len(asked) == before + 2  # each asked: a refusal now stands no time at all
+        assert made.elastic_stats()["refusals"] == 4  # the allocator's: only those it saw
+    finally:
+        made.close_elastic()
+
+
 def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:
     """Without pre-commit, an engine with requests waiting keeps the pages a finished request
     frees (the next step takes them again) instead of releasing them and committing them

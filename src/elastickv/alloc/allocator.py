@@ -260,6 +260,11 @@ class BlockAllocator:
         return self._warm_free + self._cold_free
 
     @property
+    def warm_free_blocks(self) -> int:
+        """Free usable blocks on committed pages (allocating them commits nothing). O(1)."""
+        return self._warm_free
+
+    @property
     def num_usable_blocks(self) -> int:
         return self._limit
 

@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 # lock and checks the liveness of every instance, far too much for every step of a small
 # model; an operator's limit still lands within this interval.
 LIMIT_CHECK_INTERVAL_S = 0.05
+# How long a refusal by the limit stands while nothing in this engine changes (see
+# :meth:`ElasticBlockPool._known_refusal`): a raised limit, or memory another engine
+# released, is seen at most this late.
+REFUSAL_RECHECK_S = 0.02
 _NO_HITS: frozenset[int] = frozenset()
 _RUNNING = RequestStatus.RUNNING
 
@@ -85,6 +89,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         self.tracked_requests: dict[str, Any] | None = None  # see :meth:`track_requests`
+        # The last refusal by the limit: blocks asked, until when it stands, and the
+        # allocator's and prefix cache's state it was made in (see :meth:`_known_refusal`).
+        self._refused_blocks = 0
+        self._refused_until = 0.0
+        self._refused_state = (-1, -1, -1)
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         log_startup(store, self.allocator, self.registration)
@@ -146,13 +155,40 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         # block is backed: an engine at its limit refuses the head of its queue on every
         # step, and backing blocks only to hand them back would commit and release pages.
         headroom = min(self._headroom, free - need)
-        if headroom > 0 and not self._room_for(max(0, need - len(self._stash)) + headroom):
+        wanted = max(0, need - len(self._stash)) + max(0, headroom)
+        if self._known_refusal(wanted):
+            self._refusals.refused(need + max(0, headroom), self._committed_bytes)
+            return 0 if headroom > 0 else len(self._stash)
+        if headroom > 0 and not self._room_for(wanted):
+            self._refused(wanted)
             self._refusals.refused(need + headroom, self._committed_bytes)
             return 0  # admitting it would leave the running requests no room to grow
         if self._back(need):
             return free
+        self._refused(wanted)
         self._refusals.refused(need, self._committed_bytes)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
+
+    def _state(self) -> tuple[int, int, int]:
+        allocator = self.allocator
+        return allocator.warm_free_blocks, allocator.num_free_blocks, len(self._parked)
+
+    def _refused(self, blocks: int) -> None:
+        self._refused_blocks = blocks
+        self._refused_until = time.monotonic() + REFUSAL_RECHECK_S
+        self._refused_state = self._state()
+
+    def _known_refusal(self, blocks: int) -> bool:
+        """Whether ``blocks`` would be refused as the last refusal was: at least as many
+        blocks, nothing freed, released or parked here since, and within
+        ``REFUSAL_RECHECK_S`` (the limit and the other engines' use can change unseen).
+        An engine at its limit is refused the head of its queue on every step, and asking
+        the limit again each time is a ledger round trip (two file locks and an fstat)."""
+        return (
+            0 < self._refused_blocks <= blocks
+            and time.monotonic() < self._refused_until
+            and self._state() == self._refused_state
+        )
 
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
