@@ -27,6 +27,17 @@ RAY_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.ray-installed
 
 # Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
 VLLM_TESTS := tests/vllm tests/integration_vllm
+V028 := $(VLLM_VENV_ROOT)/vllm-0.28/bin/python
+V032 := $(VLLM_VENV_ROOT)/vllm-0.32/bin/python
+# The suite runs as two streams at once, then vLLM 0.32's P/D tests alone. A test process
+# keeps about one core busy (0.93 cores measured over the 0.32 engine and server tests), so
+# two streams fit the two cores CI has. The P/D tests run NIXL, whose progress threads poll
+# a core each: beside another stream they would starve it.
+PD_TESTS := $(addprefix tests/integration_vllm/test_vllm_plugin_v032_,\
+	pd.py pd_tp.py pd_inprocess.py serve_pd.py)
+# vLLM 0.32 tests that run in the second stream, after the project suite and vLLM 0.28's
+# tests, to balance the two.
+BESIDE_TESTS := tests/integration_vllm/test_vllm_plugin_v032_serve.py
 
 # The CUDA backend runs through the real cuda-bindings against a fake libcuda, once with the
 # lowest release the pyproject allows and once with the newest (the one in .venv). The folder
@@ -44,15 +55,16 @@ NIXL_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.nixl-installed
 VLLM_ROUTER_PINS := vllm-router==0.1.17 orjson==3.13.0
 VLLM_ROUTER_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-router-installed
 
-.PHONY: demo test test-cuda-fake venv vllm-venvs clean
+.PHONY: demo test test-vllm-032 test-rest test-cuda-fake venv vllm-venvs clean
 
 # The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
 # the cached vLLM 0.32 environment), a live memory view, a picture, a summary.
 demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 	$(VENV)/bin/elastickv demo --python $(abspath $(VLLM_VENV_ROOT))/vllm-0.32/bin/python
 
-# Lint and type-check, then the suite in the project venv, then the real-vLLM tests once
-# inside each cached vLLM venv. Test folders have no __init__.py, so mypy checks each folder
+# Lint and type-check; then two streams at once (their output shown as each ends): vLLM
+# 0.32's real-vLLM tests, and the project suite, the fake-driver suite, vLLM 0.28's tests and
+# BESIDE_TESTS; then PD_TESTS. Test folders have no __init__.py, so mypy checks each folder
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
 test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
@@ -60,9 +72,18 @@ test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
 	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-032 test-rest
+	$(V032) -m pytest $(PD_TESTS)
+
+# The streams of `make test` (they expect its environments to exist).
+test-vllm-032:
+	$(V032) -m pytest $(VLLM_TESTS) $(addprefix --ignore=,$(PD_TESTS) $(BESIDE_TESTS))
+
+test-rest:
 	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm --ignore=$(FAKE_TESTS)
 	$(MAKE) --no-print-directory test-cuda-fake
-	$(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/bin/python -m pytest $(VLLM_TESTS) &&) true
+	$(V028) -m pytest $(VLLM_TESTS)
+	$(V032) -m pytest $(BESIDE_TESTS)
 
 # The fake-driver suite alone, on the lowest and the newest cuda-bindings.
 test-cuda-fake: $(STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
