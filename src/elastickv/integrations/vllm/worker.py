@@ -133,9 +133,10 @@ def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
     would only cost start-up time and memory (1 TiB of a tiny model: 32M blocks, 120 s).
 
     The block count is a multiple of :func:`page_aligned_blocks` (rounded up from the bound,
-    down from the virtual capacity), so in a layer-major layout every layer starts on a page
-    boundary. Otherwise pages straddle the blocks of two layers at different block indices:
-    with a tiny model on 64 KiB pages, 8 pages held 12 blocks where 15 fit."""
+    down from the virtual capacity; not where that multiple exceeds the bound), so in a
+    layer-major layout every layer starts on a page boundary. Otherwise pages straddle the
+    blocks of two layers at different block indices: with a tiny model on 64 KiB pages,
+    8 pages held 12 blocks where 15 fit."""
     virtual = config.resolved_virtual_capacity()
     try:
         specs = list(worker.model_runner.get_kv_cache_spec().values())
@@ -151,6 +152,8 @@ def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
         return virtual
     align = page_aligned_blocks(layer_bytes, config.page_size)
     usable = max_seqs * -(-max_len // block_size) + 1
+    if align > usable:
+        align = 1  # rounding up would more than double the blocks (a tiny model on big pages)
     usable += -usable % align
     fits = virtual // block_bytes
     if fits >= align:
