@@ -510,12 +510,20 @@ def test_stopped_model_wakes_with_requests_waiting(
 def test_engine_killed_mid_load(
     serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
 ) -> None:
-    failed = serve_run["beta_failed_replies"]
-    for reply in failed[:4]:
-        assert reply.status == 502, reply
-        assert reply.body["error"]["type"] == "engine_failed"
-    for reply in failed[4:]:  # streams had started: an error event ends them
-        assert reply.status == 200 and reply.error_event is not None, reply
+    # The kill comes once all six are in flight; one that the engine admitted early may have
+    # finished by then (beta may be at its limit while the load is admitted): it must then
+    # be whole. Every other one fails cleanly, and some of each kind do.
+    replies = serve_run["beta_failed_replies"]
+    plain, streams = replies[:4], replies[4:]
+    for reply in plain:
+        if reply.status == 200:
+            assert reply.token_ids is not None and len(reply.token_ids) == 400, reply
+        else:
+            assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
+    for reply in streams:  # streams had started: an error event ends them
+        assert reply.status == 200 and (reply.error_event is not None or reply.text), reply
+    assert any(reply.status == 502 for reply in plain), plain
+    assert any(reply.error_event is not None for reply in streams), streams
     assert_greedy(
         serve_run["alpha_during_kill"], native_and_orphan["alpha"]["greedy"], TIES["alpha"]
     )
