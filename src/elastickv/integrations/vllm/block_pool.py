@@ -160,20 +160,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._refusals.refused(need + max(0, headroom), self._committed_bytes)
             return 0 if headroom > 0 else len(self._stash)
         if headroom > 0 and not self._room_for(wanted):
-            self._refused(wanted)
-            self._refusals.refused(need + headroom, self._committed_bytes)
+            self._refused(wanted, need + headroom)
             return 0  # admitting it would leave the running requests no room to grow
         if self._back(need):
             return free
-        self._refused(wanted)
-        self._refusals.refused(need, self._committed_bytes)
+        self._refused(wanted, need)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
 
     def _state(self) -> tuple[int, int, int]:
         allocator = self.allocator
         return allocator.warm_free_blocks, allocator.num_free_blocks, len(self._parked)
 
-    def _refused(self, blocks: int) -> None:
+    def _refused(self, blocks: int, asked: int) -> None:
+        """The limit refused ``blocks`` more (``asked`` in all, for the log): the refusal
+        stands (see :meth:`_known_refusal`)."""
+        self._refusals.refused(asked, self._committed_bytes)
         self._refused_blocks = blocks
         self._refused_until = time.monotonic() + REFUSAL_RECHECK_S
         self._refused_state = self._state()
@@ -289,8 +290,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         """The engine waits for work (its idle ticks): no demand is left to keep pages hot
         for, and a lowered limit applies now (:meth:`sync_limit_idle`). Returns pages the
         limit released."""
-        if self.allocator.forecast_blocks:
-            self.allocator.forecast(0)
+        self.allocator.forecast(0)
         return self.sync_limit_idle()
 
     # -- batched frees (scheduler hook) -----------------------------------------------------

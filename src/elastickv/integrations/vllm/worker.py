@@ -147,9 +147,9 @@ def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
         block_size = int(specs[0].block_size)
     except (AttributeError, IndexError, TypeError, ValueError):
         return virtual  # an unfamiliar runner: keep the configured capacity
-    block_bytes = sum(layer_bytes)
-    if block_bytes <= 0 or block_size <= 0 or min(layer_bytes) <= 0:
+    if block_size <= 0 or min(layer_bytes) <= 0:
         return virtual
+    block_bytes = sum(layer_bytes)
     align = page_aligned_blocks(layer_bytes, config.page_size)
     usable = max_seqs * -(-max_len // block_size) + 1
     if align > usable:
