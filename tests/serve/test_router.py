@@ -6,6 +6,7 @@ client disconnect closing the upstream request, an engine that dies, the wake qu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -301,3 +302,69 @@ def test_a_pd_model_prefills_on_one_engine_and_decodes_on_the_other() -> None:
         assert PDPair("pd", models["pd/prefill"], models["pd/decode"]).state is ModelState.STOPPED
 
     run(check)
+
+
+@asynccontextmanager
+async def one_request_per_connection() -> AsyncIterator[tuple[int, list[int]]]:
+    """An HTTP server that answers each connection's first request with keep-alive, then
+    closes the connection, unanswered, when a second request arrives on it: an engine whose
+    idle timer fires just as the client reuses the connection. Yields its port and the number
+    of requests each connection saw."""
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index = len(seen)
+        seen.append(0)
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                seen[index] += 1
+                if seen[index] > 1:
+                    break
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                await reader.readexactly(length)
+                body = b'{"choices": [{"text": "ok"}]}'
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Connection: keep-alive\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1], seen
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_an_idle_connection_is_not_reused_past_the_keep_alive() -> None:
+    """An engine that closed a connection the router then reused was a 502 (aiohttp keeps
+    idle connections 15 s, vLLM's server 5 s). The router drops an idle connection after its
+    keep-alive, shorter than the engines' own (serve sets theirs), and opens a new one."""
+    from elastickv.serve.engine import ENGINE_KEEP_ALIVE_S, ROUTER_KEEP_ALIVE_S
+
+    assert ROUTER_KEEP_ALIVE_S < ENGINE_KEEP_ALIVE_S
+
+    async def main() -> None:
+        async with (
+            one_request_per_connection() as (port, seen),
+            upstream_session(keep_alive_s=0.2) as session,
+        ):
+            models = {"alpha": served("alpha", port, ModelState.IDLE)}
+            router = Router(models, ServeMetrics(lambda: (0, [])), session, dict)
+            async with site(router.app()) as base, aiohttp.ClientSession() as client:
+                for _ in range(3):
+                    async with client.post(
+                        f"http://127.0.0.1:{base}/v1/completions", json={"model": "alpha"}
+                    ) as r:
+                        assert r.status == 200, await r.text()
+                    await asyncio.sleep(0.3)  # idle past the router's keep-alive
+        assert seen == [1, 1, 1]
+
+    asyncio.run(main())

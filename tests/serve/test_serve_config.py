@@ -110,6 +110,10 @@ model = "tiny-llama-bf16"
         ({**mapping(model()), "python": "/no/python"}, "python = '/no/python' is not an exec"),
         ({**mapping(model()), "extra": 1}, "the top level: unknown field(s) extra"),
         (mapping(model(env={"ELASTICKV_BUDGET": "1G"})), "ELASTICKV_BUDGET is set by serve"),
+        (
+            mapping(model(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": 5})),
+            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE is set by serve",
+        ),
         (mapping(model(env={"BAD NAME": "1"})), "'BAD NAME' is not an environment variable"),
         (mapping(model(env=["A=1"])), "env = ['A=1']: must be a table"),
         (mapping(model(env={"A": [1]})), "env A = [1]: must be a string or a number"),
@@ -139,7 +143,7 @@ def test_every_bad_field_is_named_with_its_value(data: dict[str, object], needle
 
 
 def test_a_pd_model_is_two_engines_under_one_name() -> None:
-    from elastickv.serve.engine import build_launch
+    from elastickv.serve.engine import ENGINE_KEEP_ALIVE_S, build_launch
 
     pd = {
         "decode_args": ["--max-num-seqs", "4"],
@@ -185,6 +189,9 @@ def test_a_pd_model_is_two_engines_under_one_name() -> None:
     )
     assert "--kv-transfer-config" not in plain.argv
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in plain.env
+    # Every engine keeps idle connections longer than the router does (see the router test).
+    for launch in (*launches, plain):
+        assert launch.env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == str(ENGINE_KEEP_ALIVE_S)
 
 
 def test_model_directory_needs_a_config_json(tmp_path: Path) -> None:

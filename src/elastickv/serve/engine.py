@@ -32,6 +32,12 @@ PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
 # is set by serve from the configuration.
 PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
+# How long an engine's HTTP server keeps an idle connection open (vLLM's own default is 5 s).
+# The router's client gives up on an idle connection well before (ROUTER_KEEP_ALIVE_S), so it
+# never sends a request down a connection the engine is closing at that instant: that race
+# was a 502 for a healthy engine.
+ENGINE_KEEP_ALIVE_S = 60
+ROUTER_KEEP_ALIVE_S = 30.0
 # The KV connector of a P/D model's engines: NIXL, host buffers (vLLM's CPU backend reads and
 # writes the KV cache in place).
 PD_KV_TRANSFER_CONFIG = json.dumps(
@@ -103,6 +109,7 @@ def build_launch(
     }
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.update(model.env)
+    env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] = str(ENGINE_KEEP_ALIVE_S)
     if model.role is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
     if config.static:  # the baseline: native vLLM with its fixed share of the budget

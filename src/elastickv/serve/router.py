@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from elastickv.serve.engine import ROUTER_KEEP_ALIVE_S
 from elastickv.serve.metrics import CONTENT_TYPE, ServeMetrics
 from elastickv.serve.model import ServedModel, Unavailable
 from elastickv.serve.pd import PDPair, decode_request, prefill_request, transfer_params_of
@@ -32,13 +33,16 @@ _HOP_HEADERS = frozenset(
 )
 
 
-def upstream_session() -> aiohttp.ClientSession:
+def upstream_session(keep_alive_s: float = ROUTER_KEEP_ALIVE_S) -> aiohttp.ClientSession:
     """The router's client to its engines. No connection cap: every request the router
     accepts gets its upstream connection at once (aiohttp's default pool of 100 queued the
-    101st request inside the router, where no engine and no metric could see it); no total
-    timeout (a long generation is not an error); bytes passed through as they come."""
+    101st request inside the router, where no engine and no metric could see it); idle
+    connections dropped after ``keep_alive_s``, shorter than the engines' own keep-alive
+    (aiohttp's 15 s against vLLM's 5 s sent requests down connections the engine was
+    closing); no total timeout (a long generation is not an error); bytes passed through as
+    they come."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=keep_alive_s),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
         auto_decompress=False,
     )
