@@ -24,6 +24,10 @@ import aiohttp
 
 from elastickv.bench.workloads import Arrival
 
+# Idle connections are dropped before a vLLM server (5 s keep-alive by default) closes them,
+# so no request goes down a connection the server is closing at that instant.
+KEEP_ALIVE_S = 2.0
+
 Prepare = Callable[[aiohttp.ClientSession, Arrival], Awaitable[Mapping[str, Any]]]
 """Awaited before a request is sent, inside its timing: fields to add to its body."""
 
@@ -109,7 +113,7 @@ async def run_schedule(
 ) -> list[Result]:
     """Send every arrival at its time (open loop: late answers never delay later sends)."""
     start = time.monotonic()
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_ALIVE_S)
     timeouts = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as session:
 
@@ -133,7 +137,7 @@ async def run_closed(
     seconds from the first send to the last answer."""
     start = time.monotonic()
     gate = asyncio.Semaphore(concurrency)
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_ALIVE_S)
     timeouts = aiohttp.ClientTimeout(total=timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as session:
 
