@@ -16,11 +16,10 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry, layout_from_stride_order
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.geometry_v032 import layer_spec
+from elastickv.integrations.vllm.kv_spec import full_attention_spec
 
 # Backends whose 0.28 shape is the packed ``(B, H, N, 2D)`` row format, as tested end to end.
 SUPPORTED_BACKENDS = ("CPU_ATTN",)
-_SUPPORTED_SPECS = ("FullAttentionSpec",)
 
 
 @dataclass(frozen=True)
@@ -99,14 +98,7 @@ def plan_from_config(
             f"elastickv does not support the {name} attention backend with vLLM 0.28; "
             f"supported: {', '.join(SUPPORTED_BACKENDS)}"
         )
-    spec = layer_spec(kv_cache_config, layers[0])
-    kind = type(spec).__name__
-    if kind not in _SUPPORTED_SPECS or getattr(spec, "sliding_window", None) is not None:
-        raise ElasticKVStartupError(
-            f"elastickv does not support the {kind} KV cache spec "
-            f"(sliding window {getattr(spec, 'sliding_window', None)}); supported: "
-            f"{', '.join(_SUPPORTED_SPECS)} without sliding window"
-        )
+    spec = full_attention_spec(kv_cache_config, layers[0])
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     slots = getattr(spec, "num_head_slots", None)
     if quant != "NONE" or slots not in (None, spec.num_kv_heads):

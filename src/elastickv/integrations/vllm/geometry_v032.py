@@ -12,8 +12,8 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.kv_spec import full_attention_spec
 
-_SUPPORTED_SPECS = ("FullAttentionSpec",)
 _SUPPORTED_QUANT = ("NONE",)
 
 
@@ -28,28 +28,12 @@ def single_tensor(kv_cache_config: Any) -> Any:
     return tensors[0]
 
 
-def layer_spec(kv_cache_config: Any, layer_name: str) -> Any:
-    for group in kv_cache_config.kv_cache_groups:
-        if layer_name in group.layer_names:
-            spec = group.kv_cache_spec
-            per_layer = getattr(spec, "kv_cache_specs", None)
-            return per_layer[layer_name] if per_layer is not None else spec
-    raise ElasticKVStartupError(f"layer {layer_name!r} is in no KV cache group")
-
-
 def geometry_from_config(
     kv_cache_config: Any, layout_name: str, kernel_block_size: int | None
 ) -> KVCacheGeometry:
     """The geometry of vLLM's KV cache, or a start-up error naming what is unsupported."""
     tensor = single_tensor(kv_cache_config)
-    spec = layer_spec(kv_cache_config, tensor.layers[0])
-    kind = type(spec).__name__
-    if kind not in _SUPPORTED_SPECS or getattr(spec, "sliding_window", None) is not None:
-        raise ElasticKVStartupError(
-            f"elastickv does not support the {kind} KV cache spec "
-            f"(sliding window {getattr(spec, 'sliding_window', None)}); supported: "
-            f"{', '.join(_SUPPORTED_SPECS)} without sliding window"
-        )
+    spec = full_attention_spec(kv_cache_config, tensor.layers[0])
     quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
     if quant not in _SUPPORTED_QUANT:
         raise ElasticKVStartupError(
