@@ -44,8 +44,15 @@ def _open(url: str, body: dict[str, Any] | None, timeout: float) -> Any:
     return urllib.request.urlopen(request, timeout=timeout)
 
 
-def post(base: str, path: str, body: dict[str, Any], timeout: float = 300) -> Reply:
-    """POST and read the whole answer; streams are parsed event by event."""
+def post(
+    base: str,
+    path: str,
+    body: dict[str, Any],
+    timeout: float = 300,
+    streaming: threading.Event | None = None,
+) -> Reply:
+    """POST and read the whole answer; streams are parsed event by event (``streaming`` is set
+    at a stream's first event)."""
     start = time.monotonic()
     try:
         response = _open(base + path, body, timeout)
@@ -68,6 +75,8 @@ def post(base: str, path: str, body: dict[str, Any], timeout: float = 300) -> Re
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])
+            if streaming is not None:
+                streaming.set()
             if "error" in event:
                 error = event
                 continue

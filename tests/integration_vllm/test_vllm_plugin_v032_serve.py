@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -328,22 +329,28 @@ def serve_run(
         r["max_waiting_during_wake"] = max(waiting)
         r["wake_metrics"] = urlread(base + "/metrics")
         # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
+        # The streams go first and must have started (a stream the engine had not begun when
+        # it died is a plain 502, like the other requests).
         beta_pid = describe(base)["beta"]["engine_pid"]
+        streaming = [threading.Event() for _ in range(2)]
         with ThreadPoolExecutor(16) as pool_exec:
-            beta_long = [
-                pool_exec.submit(
-                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
-                )
-                for i in range(4)
-            ] + [
+            beta_streams = [
                 pool_exec.submit(
                     post,
                     base,
                     "/v1/completions",
                     complete("beta", load_prompt(i), 400, stream=True),
+                    streaming=started,
                 )
-                for i in range(2)
+                for i, started in enumerate(streaming)
             ]
+            assert all(started.wait(60) for started in streaming)
+            beta_long = [
+                pool_exec.submit(
+                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
+                )
+                for i in range(4)
+            ] + beta_streams
             alpha_during = [
                 pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
             ]
@@ -527,7 +534,7 @@ def test_engine_killed_mid_load(
             assert reply.token_ids is not None and len(reply.token_ids) == min(400, room), reply
         else:
             assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
-    for reply in streams:  # streams had started: an error event ends them
+    for reply in streams:  # streams had started: an error event ends them (or they finished)
         assert reply.status == 200 and (reply.error_event is not None or reply.text), reply
     assert any(reply.status == 502 for reply in plain), plain
     assert any(reply.error_event is not None for reply in streams), streams
