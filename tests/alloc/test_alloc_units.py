@@ -49,6 +49,18 @@ def test_null_block_is_reserved_and_committed(vrange: HostRange) -> None:
             alloc.free([0])
 
 
+def test_freeing_nothing_changes_nothing(vrange: HostRange) -> None:
+    """``free([])`` (a request that held no block) was a ValueError from ``max()``."""
+    with BlockAllocator(GEOMETRY, vrange) as alloc:
+        held = alloc.allocate(3)
+        assert held is not None
+        before = (alloc.live_blocks(), alloc.num_free_blocks, alloc.stats().frees)
+        alloc.free([])
+        alloc.free(set())
+        alloc.free(())
+        assert (alloc.live_blocks(), alloc.num_free_blocks, alloc.stats().frees) == before
+
+
 def test_exhaustion_returns_none_and_counts_a_refusal(vrange: HostRange) -> None:
     with BlockAllocator(GEOMETRY, vrange) as alloc:
         assert alloc.allocate(GEOMETRY.num_blocks) is None

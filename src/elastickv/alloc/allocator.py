@@ -561,6 +561,8 @@ class BlockAllocator:
                     slab_live[slab] -= 1
                     self._frees += 1
                     return
+            elif not blocks:
+                return
             else:
                 slab_of = self._block_slab
                 if not live.issuperset(blocks):
@@ -571,19 +573,17 @@ class BlockAllocator:
                 if before - len(live) != len(blocks):
                     live.update(blocks)
                     raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
-                if (
-                    isinstance(blocks, list)
-                    and blocks
-                    and slab_of[blocks[0]] != slab_of[blocks[-1]]
-                ):
+                if isinstance(blocks, list) and slab_of[blocks[0]] != slab_of[blocks[-1]]:
                     # Several slabs for sure (a request's prompt and decode blocks, freed in
                     # reverse): skip the one-slab test.
                     self._free_slabs(blocks)
                     self._frees += 1
                     return
-                top = max(blocks)
+                # The smallest and largest block (sorting a few ints costs half of min + max).
+                ordered = sorted(blocks)
+                top = ordered[-1]
                 slab = slab_of[top]
-                if not (self._contiguous_slabs and slab == slab_of[min(blocks)]):
+                if not (self._contiguous_slabs and slab == slab_of[ordered[0]]):
                     self._free_slabs(blocks)
                     self._frees += 1
                     return
