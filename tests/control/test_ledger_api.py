@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -274,3 +276,41 @@ def test_limit_below_the_floor_is_refused_with_the_minimum(ledger: Ledger) -> No
     assert (after.limit_desired, after.limit_revision) == (info.limit_desired, info.limit_revision)
     assert ledger.set_limit("engine", "2M") == info.limit_revision + 1
     assert handle.info().limit_desired == 2 * MiB and not handle.info().draining
+
+
+def test_growth_over_the_seen_limit_is_refused_without_the_ledger(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At its own limit, an instance is refused from the limit its last ledger operation read
+    (no lock, no record written) while that view is fresh; the record still counts those
+    refusals, and a limit another process raised is seen once the view is stale."""
+    import elastickv.control.ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 60 * 10**9)  # fresh for the test
+    a = ledger.register("a", limit="16M")
+    assert a.try_admit(16 * MiB)
+    generation = ledger.snapshot().usage.generation
+    assert not a.try_admit(MiB)
+    assert not a.try_admit(MiB)
+    assert ledger.snapshot().usage.generation == generation  # nothing was written
+    assert a.info().refusals == 2  # counted once the owner reads its record
+    assert not a.try_admit(MiB)
+    a.release(MiB)
+    assert a.try_admit(MiB)  # room under the limit: the ledger admits as before
+    info = next(i for i in ledger.list_instances() if i.name == "a")
+    assert (info.refusals, info.committed_bytes) == (3, 16 * MiB)
+    # Another process raises the limit: the fresh view still refuses, a stale one asks.
+    raise_limit = (
+        "from elastickv.control import open_ledger\n"
+        f"with open_ledger(total_bytes={BUDGET}, utilization=1.0, create=False) as other:\n"
+        "    other.set_limit('a', '32M')\n"
+    )
+    subprocess.run([sys.executable, "-c", raise_limit], check=True, env=os.environ.copy())
+    assert not a.try_admit(MiB)
+    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
+    assert a.try_admit(MiB)
+    # A limit raised by the owner's own ledger applies at once.
+    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 60 * 10**9)
+    assert a.try_admit(15 * MiB) and not a.try_admit(MiB)
+    ledger.set_limit("a", "48M")
+    assert a.try_admit(MiB)

@@ -78,6 +78,10 @@ DEFAULT_UTILIZATION = 0.9
 DEFAULT_HEADROOM = 0
 DEFAULT_CAPACITY = MAX_CAPACITY
 SWEEP_INTERVAL_NS = 200_000_000
+# How long an instance trusts its own limit as the ledger last showed it to refuse growth
+# beyond it without asking the ledger (see :meth:`InstanceHandle.try_admit`): a raised limit
+# is seen at most this late.
+LIMIT_VIEW_NS = 20_000_000
 
 LimitSpec = int | str | None
 
@@ -331,7 +335,9 @@ class Ledger:
                 f"instance {handle.name!r} is no longer registered in {segment.path} (its "
                 "record was reset or reclaimed); register again"
             )
-        return list(raw)
+        fields: list[Any] = list(raw)
+        handle._saw_limit(fields[F_LIMIT])
+        return fields
 
     def _info(self, segment: Segment, slot: int, record: Record, *, alive: bool) -> InstanceInfo:
         budget = segment.header.budget_bytes
@@ -461,6 +467,7 @@ class Ledger:
         segment = self._enter()
         try:
             raw = self._own_raw(segment, handle)
+            raw[F_REFUSALS] += handle._take_local_refusals()  # written on both paths below
             committed, reserved = raw[F_COMMITTED], raw[F_RESERVED]
             from_reserve = min(nbytes, reserved)
             growth = nbytes - from_reserve
@@ -548,6 +555,12 @@ class Ledger:
     def _handle_info(self, handle: InstanceHandle) -> InstanceInfo:
         segment = self._enter()
         try:
+            raw = self._own_raw(segment, handle)
+            pending = handle._take_local_refusals()
+            if pending:  # the owner reads counts that include its own refusals
+                raw[F_REFUSALS] += pending
+                write_raw(segment.mm, record_offset(handle.slot), raw)
+                segment.bump_generation()
             return self._info(segment, handle.slot, self._own(segment, handle), alive=True)
         finally:
             self._exit()
@@ -635,6 +648,7 @@ class Ledger:
             handle = self._handles.get(slot)
             if handle is not None and handle.nonce == record.nonce:
                 handle._reserved = reserved
+                handle._saw_limit(-1 if desired is None else desired)
             return revision
         finally:
             self._exit()
@@ -723,6 +737,11 @@ class InstanceHandle:
         self._committed = 0
         self._reserved = 0
         self._closed = False
+        # This instance's limit (raw: -1 for none) as its last ledger operation read it, when,
+        # and the refusals made from that view and not yet counted in the record.
+        self._limit_seen = -1
+        self._limit_seen_ns = 0
+        self._local_refusals = 0
 
     @property
     def ledger(self) -> Ledger:
@@ -751,10 +770,42 @@ class InstanceHandle:
 
     def try_admit(self, nbytes: int) -> bool:
         """Reserve ``nbytes`` in the ledger before committing them; False = "not now" (over the
-        instance's limit or the device budget; nothing changed). Draws on the reserve first."""
+        instance's limit or the device budget; nothing changed). Draws on the reserve first.
+
+        Growth beyond the instance's own limit, as its last ledger operation read it within
+        ``LIMIT_VIEW_NS``, is refused here without the ledger's lock: an engine at its limit
+        asks on every scheduler step, and a ledger round trip took 80 µs there (two file
+        locks and an ``fstat`` while the model's threads run), eight times its idle cost. The
+        record's refusal count still includes these: they are added at the next admission
+        that reaches the ledger or the next :meth:`info`."""
         _check_bytes(nbytes)
         self._check_open()
+        if self._over_seen_limit(nbytes):
+            with self._ledger._lock:
+                self._local_refusals += 1
+            return False
         return self._ledger._admit(self, nbytes)
+
+    def _over_seen_limit(self, nbytes: int) -> bool:
+        limit = self._limit_seen
+        if limit < 0:
+            return False
+        growth = nbytes - min(nbytes, self._reserved)
+        return (
+            growth > 0
+            and self._committed + self._reserved + growth > limit
+            and time.monotonic_ns() - self._limit_seen_ns < LIMIT_VIEW_NS
+        )
+
+    def _saw_limit(self, limit: int) -> None:
+        """The ledger showed this instance's limit (raw; lock held)."""
+        self._limit_seen = limit
+        self._limit_seen_ns = time.monotonic_ns()
+
+    def _take_local_refusals(self) -> int:
+        """Refusals made from the seen limit since the last call (lock held)."""
+        pending, self._local_refusals = self._local_refusals, 0
+        return pending
 
     def release(self, nbytes: int) -> None:
         """Return ``nbytes`` of committed memory to the device budget."""
