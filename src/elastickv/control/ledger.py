@@ -56,6 +56,7 @@ from elastickv.control.records import (
     FLAG_IN_USE,
     FREE_RECORD,
     MAX_CAPACITY,
+    NO_LIMIT,
     NONCE,
     RECORD_SIZE,
     USAGE,
@@ -555,13 +556,15 @@ class Ledger:
     def _handle_info(self, handle: InstanceHandle) -> InstanceInfo:
         segment = self._enter()
         try:
-            raw = self._own_raw(segment, handle)
             pending = handle._take_local_refusals()
             if pending:  # the owner reads counts that include its own refusals
+                raw = self._own_raw(segment, handle)
                 raw[F_REFUSALS] += pending
                 write_raw(segment.mm, record_offset(handle.slot), raw)
                 segment.bump_generation()
-            return self._info(segment, handle.slot, self._own(segment, handle), alive=True)
+            record = self._own(segment, handle)
+            handle._saw_limit(NO_LIMIT if record.limit_desired is None else record.limit_desired)
+            return self._info(segment, handle.slot, record, alive=True)
         finally:
             self._exit()
 
@@ -648,7 +651,7 @@ class Ledger:
             handle = self._handles.get(slot)
             if handle is not None and handle.nonce == record.nonce:
                 handle._reserved = reserved
-                handle._saw_limit(-1 if desired is None else desired)
+                handle._saw_limit(NO_LIMIT if desired is None else desired)
             return revision
         finally:
             self._exit()
