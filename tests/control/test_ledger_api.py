@@ -282,8 +282,8 @@ def test_growth_over_the_seen_limit_is_refused_without_the_ledger(
     ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """At its own limit, an instance is refused from the limit its last ledger operation read
-    (no lock, no record written) while that view is fresh; the record still counts those
-    refusals, and a limit another process raised is seen once the view is stale."""
+    (no lock, no record written) while that view is fresh and the limit's revision unchanged;
+    the record still counts those refusals, and a limit any process raises applies at once."""
     import elastickv.control.ledger as ledger_module
 
     monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 60 * 10**9)  # fresh for the test
@@ -299,18 +299,25 @@ def test_growth_over_the_seen_limit_is_refused_without_the_ledger(
     assert a.try_admit(MiB)  # room under the limit: the ledger admits as before
     info = next(i for i in ledger.list_instances() if i.name == "a")
     assert (info.refusals, info.committed_bytes) == (3, 16 * MiB)
-    # Another process raises the limit: the fresh view still refuses, a stale one asks.
+    # Another process raises the limit: the new revision sends the next call to the ledger.
     raise_limit = (
         "from elastickv.control import open_ledger\n"
         f"with open_ledger(total_bytes={BUDGET}, utilization=1.0, create=False) as other:\n"
         "    other.set_limit('a', '32M')\n"
     )
     subprocess.run([sys.executable, "-c", raise_limit], check=True, env=os.environ.copy())
-    assert not a.try_admit(MiB)
-    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
     assert a.try_admit(MiB)
-    # A limit raised by the owner's own ledger applies at once.
-    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 60 * 10**9)
+    # So does the owner's own ledger, and another ledger object in this process.
     assert a.try_admit(15 * MiB) and not a.try_admit(MiB)
     ledger.set_limit("a", "48M")
     assert a.try_admit(MiB)
+    assert a.try_admit(15 * MiB) and not a.try_admit(MiB)
+    set_limit("a", None)
+    assert a.try_admit(MiB)
+    # A stale view asks the ledger even when the revision is the same.
+    ledger.set_limit("a", "48M")
+    assert not a.try_admit(MiB)  # refused from the view the owner's set_limit refreshed
+    generation = ledger.snapshot().usage.generation
+    monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
+    assert not a.try_admit(MiB)
+    assert ledger.snapshot().usage.generation != generation  # the ledger counted it

@@ -53,12 +53,15 @@ from elastickv.control.records import (
     F_REFUSALS,
     F_RELEASES,
     F_RESERVED,
+    F_REVISION,
     FLAG_IN_USE,
     FREE_RECORD,
     MAX_CAPACITY,
     NO_LIMIT,
     NONCE,
     RECORD_SIZE,
+    REVISION,
+    REVISION_OFFSET,
     USAGE,
     USAGE_OFFSET,
     FormatError,
@@ -79,9 +82,10 @@ DEFAULT_UTILIZATION = 0.9
 DEFAULT_HEADROOM = 0
 DEFAULT_CAPACITY = MAX_CAPACITY
 SWEEP_INTERVAL_NS = 200_000_000
-# How long an instance trusts its own limit as the ledger last showed it to refuse growth
-# beyond it without asking the ledger (see :meth:`InstanceHandle.try_admit`): a raised limit
-# is seen at most this late.
+# How long an instance trusts its own limit as the ledger last showed it (and its revision
+# still in the record) to refuse growth beyond it without the ledger's lock (see
+# :meth:`InstanceHandle.try_admit`): past it the ledger is asked, which also finds a ledger
+# that was reset meanwhile.
 LIMIT_VIEW_NS = 20_000_000
 
 LimitSpec = int | str | None
@@ -337,8 +341,19 @@ class Ledger:
                 "record was reset or reclaimed); register again"
             )
         fields: list[Any] = list(raw)
-        handle._saw_limit(fields[F_LIMIT])
+        handle._saw_limit(fields[F_LIMIT], fields[F_REVISION])
         return fields
+
+    def _revision_now(self, slot: int) -> int:
+        """The limit revision in ``slot``'s record, read without the lock (-1 when the
+        segment is closed)."""
+        try:
+            revision: int = REVISION.unpack_from(
+                self._segment.mm, record_offset(slot) + REVISION_OFFSET
+            )[0]
+        except ValueError:  # unmapped
+            return -1
+        return revision
 
     def _info(self, segment: Segment, slot: int, record: Record, *, alive: bool) -> InstanceInfo:
         budget = segment.header.budget_bytes
@@ -563,7 +578,8 @@ class Ledger:
                 write_raw(segment.mm, record_offset(handle.slot), raw)
                 segment.bump_generation()
             record = self._own(segment, handle)
-            handle._saw_limit(NO_LIMIT if record.limit_desired is None else record.limit_desired)
+            limit = NO_LIMIT if record.limit_desired is None else record.limit_desired
+            handle._saw_limit(limit, record.limit_revision)
             return self._info(segment, handle.slot, record, alive=True)
         finally:
             self._exit()
@@ -651,7 +667,7 @@ class Ledger:
             handle = self._handles.get(slot)
             if handle is not None and handle.nonce == record.nonce:
                 handle._reserved = reserved
-                handle._saw_limit(NO_LIMIT if desired is None else desired)
+                handle._saw_limit(NO_LIMIT if desired is None else desired, revision)
             return revision
         finally:
             self._exit()
@@ -740,9 +756,11 @@ class InstanceHandle:
         self._committed = 0
         self._reserved = 0
         self._closed = False
-        # This instance's limit (raw: -1 for none) as its last ledger operation read it, when,
-        # and the refusals made from that view and not yet counted in the record.
+        # This instance's limit (raw: -1 for none) and its revision as its last ledger
+        # operation read them, when, and the refusals made from that view and not yet counted
+        # in the record.
         self._limit_seen = -1
+        self._revision_seen = -1
         self._limit_seen_ns = 0
         self._local_refusals = 0
 
@@ -776,11 +794,13 @@ class InstanceHandle:
         instance's limit or the device budget; nothing changed). Draws on the reserve first.
 
         Growth beyond the instance's own limit, as its last ledger operation read it within
-        ``LIMIT_VIEW_NS``, is refused here without the ledger's lock: an engine at its limit
-        asks on every scheduler step, and a ledger round trip took 80 µs there (two file
-        locks and an ``fstat`` while the model's threads run), eight times its idle cost. The
-        record's refusal count still includes these: they are added at the next admission
-        that reaches the ledger or the next :meth:`info`."""
+        ``LIMIT_VIEW_NS`` and while the record's limit revision is still the one it read, is
+        refused here without the ledger's lock: an engine at its limit asks on every
+        scheduler step, and a ledger round trip took 80 µs there (two file locks and an
+        ``fstat`` while the model's threads run), eight times its idle cost. A limit changed
+        by any process is seen at the next call. The record's refusal count still includes
+        these refusals: they are added at the next admission that reaches the ledger or the
+        next :meth:`info`."""
         _check_bytes(nbytes)
         self._check_open()
         if self._over_seen_limit(nbytes):
@@ -798,11 +818,13 @@ class InstanceHandle:
             growth > 0
             and self._committed + self._reserved + growth > limit
             and time.monotonic_ns() - self._limit_seen_ns < LIMIT_VIEW_NS
+            and self._ledger._revision_now(self.slot) == self._revision_seen
         )
 
-    def _saw_limit(self, limit: int) -> None:
-        """The ledger showed this instance's limit (raw; lock held)."""
+    def _saw_limit(self, limit: int, revision: int) -> None:
+        """The ledger showed this instance's limit (raw) and its revision (lock held)."""
         self._limit_seen = limit
+        self._revision_seen = revision
         self._limit_seen_ns = time.monotonic_ns()
 
     def _take_local_refusals(self) -> int:

@@ -53,6 +53,10 @@ RECORD_PAYLOAD = _RECORD.size
 USAGE = struct.Struct("<QQ")
 NONCE = struct.Struct("<Q")
 USAGE_OFFSET = 8 + 4 + 4 + 8 + 8 + 8 + 8
+# The limit's revision, read without the lock by an owner that refuses from its own view of
+# the limit (a torn read can only differ from the revision it saw: it then asks the ledger).
+REVISION = struct.Struct("<Q")
+REVISION_OFFSET = 8 + 4 + 4 + 8 + 8 + 8
 
 assert _STATIC.size + _STATIC_CRC.size <= DYNAMIC_OFFSET
 assert DYNAMIC_OFFSET + DYNAMIC.size <= HEADER_SIZE
@@ -314,7 +318,7 @@ def decode_record(data: bytes | memoryview) -> Record:
 
 
 # Field positions in the raw tuple, for the admission hot path (no dataclass round trip).
-F_NONCE, F_LIMIT, F_COMMITTED, F_RESERVED, F_PEAK = 0, 5, 7, 8, 9
+F_NONCE, F_LIMIT, F_REVISION, F_COMMITTED, F_RESERVED, F_PEAK = 0, 5, 6, 7, 8, 9
 F_ADMISSIONS, F_REFUSALS, F_RELEASES, F_FLOOR = 10, 11, 12, 15
 RawRecord = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, bytes, int]
 
