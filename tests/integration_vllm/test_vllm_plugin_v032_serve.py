@@ -330,8 +330,8 @@ def serve_run(
         r["wake_metrics"] = urlread(base + "/metrics")
         # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
         # The streams go first and must have started (a stream the engine had not begun when
-        # it died is a plain 502, like the other requests).
-        beta_pid = describe(base)["beta"]["engine_pid"]
+        # it died is a plain 502, like the other requests). The engine killed is the one
+        # serving them: beta may have been stopped (idle 15 s) and woken by them meanwhile.
         streaming = [threading.Event() for _ in range(2)]
         with ThreadPoolExecutor(16) as pool_exec:
             beta_streams = [
@@ -344,7 +344,8 @@ def serve_run(
                 )
                 for i, started in enumerate(streaming)
             ]
-            assert all(started.wait(60) for started in streaming)
+            assert all(started.wait(120) for started in streaming)
+            beta_pid = describe(base)["beta"]["engine_pid"]
             beta_long = [
                 pool_exec.submit(
                     post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
