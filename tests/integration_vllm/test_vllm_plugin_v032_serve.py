@@ -329,12 +329,18 @@ def serve_run(
         r["max_waiting_during_wake"] = max(waiting)
         r["wake_metrics"] = urlread(base + "/metrics")
         # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
-        # The streams go first and must have started (a stream the engine had not begun when
-        # it died is a plain 502, like the other requests). The engine killed is the one
-        # serving them: beta may have been stopped (idle 15 s) and woken by them meanwhile.
+        # The kill comes once a stream is under way and a plain request is still in flight,
+        # and hits the engine serving them (beta may have been stopped, idle for 15 s, and
+        # woken by this load).
         streaming = [threading.Event() for _ in range(2)]
         with ThreadPoolExecutor(16) as pool_exec:
-            beta_streams = [
+            plain_long = [
+                pool_exec.submit(
+                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
+                )
+                for i in range(4)
+            ]
+            stream_long = [
                 pool_exec.submit(
                     post,
                     base,
@@ -344,19 +350,19 @@ def serve_run(
                 )
                 for i, started in enumerate(streaming)
             ]
-            assert all(started.wait(120) for started in streaming)
-            beta_pid = describe(base)["beta"]["engine_pid"]
-            beta_long = [
-                pool_exec.submit(
-                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
-                )
-                for i in range(4)
-            ] + beta_streams
+            beta_long = plain_long + stream_long
             alpha_during = [
                 pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
             ]
-            wait_until(lambda: describe(base)["beta"]["in_flight"] >= 6, 30, 0.05)
-            time.sleep(0.5)
+
+            def mid_load() -> bool:
+                return any(
+                    started.is_set() and not reply.done()
+                    for started, reply in zip(streaming, stream_long, strict=True)
+                ) and any(not reply.done() for reply in plain_long)
+
+            assert wait_until(mid_load, 120, 0.01) is not None
+            beta_pid = describe(base)["beta"]["engine_pid"]
             os.kill(beta_pid, signal.SIGKILL)
             killed = time.monotonic()
             r["beta_record_gone_s"] = wait_until(
@@ -520,8 +526,9 @@ def test_stopped_model_wakes_with_requests_waiting(
 def test_engine_killed_mid_load(
     serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
 ) -> None:
-    # The kill comes once all six are in flight; one that the engine admitted early may have
-    # finished by then (beta may be at its limit while the load is admitted): it must then
+    # The kill comes once a stream is under way and a plain request in flight; one that the
+    # engine admitted early may have finished by then (beta may be at its limit while the
+    # load is admitted): it must then
     # be whole: 400 tokens, or as many as fit the context (vLLM caps max_tokens at
     # max_model_len minus the prompt: these prompts leave room for about 370). Every other
     # one fails cleanly, and some of each kind do.
@@ -535,8 +542,11 @@ def test_engine_killed_mid_load(
             assert reply.token_ids is not None and len(reply.token_ids) == min(400, room), reply
         else:
             assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
-    for reply in streams:  # streams had started: an error event ends them (or they finished)
-        assert reply.status == 200 and (reply.error_event is not None or reply.text), reply
+    for reply in streams:  # a stream under way ends with an error event (or had finished)
+        if reply.status == 200:
+            assert reply.error_event is not None or reply.text, reply
+        else:  # one the engine had not begun fails as the plain requests do
+            assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
     assert any(reply.status == 502 for reply in plain), plain
     assert any(reply.error_event is not None for reply in streams), streams
     assert_greedy(
