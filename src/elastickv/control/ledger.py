@@ -260,6 +260,8 @@ class Ledger:
                 f"instance {handle.name!r} is no longer registered in {segment.path} (its "
                 "record was reset or reclaimed); register again"
             )
+        limit = NO_LIMIT if record.limit_desired is None else record.limit_desired
+        handle._saw_limit(limit, record.limit_revision)
         return record
 
     def _alive(self, record: Record) -> bool:
@@ -577,10 +579,7 @@ class Ledger:
                 raw[F_REFUSALS] += pending
                 write_raw(segment.mm, record_offset(handle.slot), raw)
                 segment.bump_generation()
-            record = self._own(segment, handle)
-            limit = NO_LIMIT if record.limit_desired is None else record.limit_desired
-            handle._saw_limit(limit, record.limit_revision)
-            return self._info(segment, handle.slot, record, alive=True)
+            return self._info(segment, handle.slot, self._own(segment, handle), alive=True)
         finally:
             self._exit()
 
