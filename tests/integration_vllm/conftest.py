@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from collections.abc import Callable
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,25 @@ collect_ignore_glob: list[str] = (
 )
 
 EngineRuns = Callable[..., dict[str, Any]]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_rpc_dir() -> Iterator[Path]:
+    """vLLM leaves its IPC sockets in ``VLLM_RPC_BASE_PATH`` (default: the temporary
+    directory) when an engine stops: every engine of the suite, and every process it starts,
+    puts them in one private directory, removed at the end. (``elastickv serve`` gives its
+    engines their own, which this does not replace.)"""
+    path = Path(tempfile.mkdtemp(prefix="elastickv-tests-rpc-"))
+    saved = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(path)
+    try:
+        yield path
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        else:
+            os.environ["VLLM_RPC_BASE_PATH"] = saved
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

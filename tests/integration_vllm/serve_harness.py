@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import subprocess
 import sys
 import threading
@@ -164,6 +165,21 @@ def post_each(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Rep
 def session_processes(sid: int) -> list[int]:
     """Pids of the live (non-zombie) processes of session ``sid``."""
     return [p.pid for p in engine_session_processes(sid)]
+
+
+def rpc_dir(pid: int) -> dict[str, Any]:
+    """The IPC socket directory serve gave engine ``pid`` (its ``VLLM_RPC_BASE_PATH``): its
+    path, mode and the sockets in it now."""
+    for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+        name, _, value = item.partition(b"=")
+        if name == b"VLLM_RPC_BASE_PATH":
+            path = Path(os.fsdecode(value))
+            return {
+                "path": path,
+                "mode": stat.S_IMODE(path.stat().st_mode),
+                "sockets": sum(stat.S_ISSOCK(p.lstat().st_mode) for p in path.iterdir()),
+            }
+    raise AssertionError(f"engine {pid} has no VLLM_RPC_BASE_PATH")
 
 
 def wait_until(predicate: Any, timeout: float, interval: float = 0.1) -> float | None:

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from serve_harness import (
     post,
     post_all,
     post_each,
+    rpc_dir,
     serve_process,
     session_processes,
     top_logprobs,
@@ -275,6 +277,7 @@ def serve_run(
             for name in MODELS
         }
         # 2. Both models under load at once, on a budget that fits one burst, not both.
+        r["beta_rpc"] = rpc_dir(describe(base)["beta"]["engine_pid"])
         fds = pool_fds(session_processes(describe(base)["alpha"]["engine_pid"]))
         pool = next(iter(fds.values()))[0]
         with LedgerSampler(ledger_dir, files=(pool,)) as sampler:
@@ -317,6 +320,8 @@ def serve_run(
         )
         time.sleep(0.3)  # the arbiter's next look no longer sees a record
         r["beta_stopped"] = describe(base)["beta"]
+        # The directory goes once every process of the engine is gone, after the record.
+        r["beta_rpc_gone_s"] = wait_until(lambda: not r["beta_rpc"]["path"].exists(), 10)
         wake_started = time.monotonic()
         with ThreadPoolExecutor(1) as one:
             waking = one.submit(post_all, base, workload("beta")["completions"])
@@ -331,15 +336,12 @@ def serve_run(
         # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
         # The kill comes once a stream is under way and a plain request is still in flight,
         # and hits the engine serving them (beta may have been stopped, idle for 15 s, and
-        # woken by this load).
+        # woken by this load). The streams are sent first: vLLM admits in arrival order, so
+        # no plain request runs to its end before a stream begins (sent first, at beta's
+        # limit, all four once finished just as the first stream began, and the kill found
+        # none in flight).
         streaming = [threading.Event() for _ in range(2)]
         with ThreadPoolExecutor(16) as pool_exec:
-            plain_long = [
-                pool_exec.submit(
-                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
-                )
-                for i in range(4)
-            ]
             stream_long = [
                 pool_exec.submit(
                     post,
@@ -349,6 +351,12 @@ def serve_run(
                     streaming=started,
                 )
                 for i, started in enumerate(streaming)
+            ]
+            plain_long = [
+                pool_exec.submit(
+                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
+                )
+                for i in range(4)
             ]
             beta_long = plain_long + stream_long
             alpha_during = [
@@ -363,6 +371,7 @@ def serve_run(
 
             assert wait_until(mid_load, 120, 0.01) is not None
             beta_pid = describe(base)["beta"]["engine_pid"]
+            killed_rpc = rpc_dir(beta_pid)["path"]
             os.kill(beta_pid, signal.SIGKILL)
             killed = time.monotonic()
             r["beta_record_gone_s"] = wait_until(
@@ -377,10 +386,12 @@ def serve_run(
             lambda: state_of(base, "beta") in ("idle", "serving"), 300, 0.5
         )
         r["beta_kill_to_restart_s"] = round(time.monotonic() - killed, 1)
+        r["killed_rpc_gone_s"] = wait_until(lambda: not killed_rpc.exists(), 10)
         r["after_restart"] = outputs(post_each(base, workload("beta")["completions"]))
         r["restarts"] = describe(base)["beta"]["restarts"]
         # 6. kill -9 elastickv serve itself: nothing of it is left.
         engines = {name: m["engine_pid"] for name, m in describe(base).items()}
+        orphaned_rpc = [rpc_dir(pid)["path"] for pid in engines.values()]
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         r["serve_killed_engines_gone_s"] = wait_until(
@@ -389,6 +400,8 @@ def serve_run(
         r["serve_killed_records_gone_s"] = wait_until(lambda: not ledger_names(ledger_dir), 30)
         r["serve_killed_total_s"] = round(time.monotonic() - killed, 1)
         r["serve_log"] = (work / "serve.log").read_text()[-6000:]
+        for path in orphaned_rpc:  # what serve, killed, could not remove
+            shutil.rmtree(path, ignore_errors=True)
     print(
         "\n[serve]",
         {k: v for k, v in r.items() if k.endswith("_s") or k in ("peaks", "limits", "peak_total")},
@@ -556,6 +569,15 @@ def test_engine_killed_mid_load(
     assert serve_run["beta_restarted_s"] is not None
     assert serve_run["restarts"] == 1
     assert serve_run["after_restart"] == native_and_orphan["beta"]["completions"]
+
+
+def test_engine_sockets_are_private_and_gone_with_the_engine(serve_run: dict[str, Any]) -> None:
+    """vLLM leaves its IPC sockets behind when it stops; serve gives each engine an
+    owner-only directory for them and removes it when the engine is stopped or dies."""
+    assert serve_run["beta_rpc"]["mode"] == 0o700
+    assert serve_run["beta_rpc"]["sockets"] > 0
+    assert serve_run["beta_rpc_gone_s"] is not None  # stopped when idle (tier 2)
+    assert serve_run["killed_rpc_gone_s"] is not None  # died, and restarted
 
 
 def test_kill_9_of_serve_leaves_nothing(serve_run: dict[str, Any]) -> None:

@@ -33,6 +33,7 @@ from serve_harness import (
     get_json,
     post,
     post_all,
+    rpc_dir,
     serve_process,
     session_processes,
     wait_until,
@@ -183,10 +184,12 @@ def serve_pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         with vllm_router(urls["prefill"], urls["decode"], work / "vllm-router.log", env) as vr:
             r["vllm_router"] = ids(post_all(vr, requests()))
         r["engine_pids"] = [engines[role]["engine_pid"] for role in ROLES]
+        r["rpc_dirs"] = [rpc_dir(pid)["path"] for pid in r["engine_pids"]]
         r["describe_end"] = describe(base)
         proc.terminate()
         r["serve_exit"] = proc.wait(timeout=120)
     r["left"] = [pid for pid in r["engine_pids"] if session_processes(pid)]
+    r["rpc_dirs_left"] = [path for path in r["rpc_dirs"] if path.exists()]
     r["ledger_after"] = ledger_used(ledger_dir)
     r["logs"] = {p.stem: p.read_text(errors="replace") for p in (work / "engine-logs").iterdir()}
     print("\n[serve pd]", {k: v for k, v in r.items() if k.endswith("_s") or k == "moved_bytes"})
@@ -234,6 +237,7 @@ def test_vllm_router_interoperates_with_the_same_engines(serve_pd: dict[str, Any
 def test_nothing_left_after_serve_stops(serve_pd: dict[str, Any]) -> None:
     assert serve_pd["serve_exit"] == 0
     assert serve_pd["left"] == []
+    assert serve_pd["rpc_dirs_left"] == []
     assert serve_pd["ledger_after"] == {}
     assert all(m["restarts"] == 0 for m in serve_pd["describe_end"].values())
     assert "NIXL is available" in serve_pd["logs"][f"{NAME}_decode"]

@@ -114,6 +114,10 @@ model = "tiny-llama-bf16"
             mapping(model(env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": 5})),
             "VLLM_HTTP_TIMEOUT_KEEP_ALIVE is set by serve",
         ),
+        (
+            mapping(model(env={"VLLM_RPC_BASE_PATH": "/tmp"})),
+            "VLLM_RPC_BASE_PATH is set by serve",
+        ),
         (mapping(model(env={"BAD NAME": "1"})), "'BAD NAME' is not an environment variable"),
         (mapping(model(env=["A=1"])), "env = ['A=1']: must be a table"),
         (mapping(model(env={"A": [1]})), "env A = [1]: must be a string or a number"),

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -92,13 +94,21 @@ class Server:
 def server(
     model: str, env: dict[str, str], log: Path, args: list[str]
 ) -> Iterator[tuple[Server, float]]:
-    """Start the OpenAI server; yield it and its start-up seconds. Always leaves no process."""
+    """Start the OpenAI server; yield it and its start-up seconds. Always leaves no process,
+    nor the IPC sockets vLLM leaves when it stops (they go to a private directory)."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--host", HOST, "--port", str(port), *args]
+    rpc = tempfile.mkdtemp(prefix="elastickv-bench-rpc-")
     start = time.monotonic()
-    with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                cmd, env={**env, "VLLM_RPC_BASE_PATH": rpc}, stdout=sink, stderr=subprocess.STDOUT
+            )
+    except BaseException:
+        shutil.rmtree(rpc, ignore_errors=True)
+        raise
     srv = Server(proc, port, model, log)
     try:
         while health(port) != 200:
@@ -118,6 +128,7 @@ def server(
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=STOP_TIMEOUT_S)
+        shutil.rmtree(rpc, ignore_errors=True)
 
 
 def scrape_metrics(srv: Server) -> str:

@@ -200,7 +200,12 @@ _MODEL_KEYS = {
 _PD_KEYS = {"prefill_args", "decode_args", "prefill_env", "decode_env"}
 PD_ROLES = ("prefill", "decode")
 # Set by serve for every engine; a configuration that sets them is refused.
-_SERVE_OWNED_ENV = ("ELASTICKV", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_HTTP_TIMEOUT_KEEP_ALIVE")
+_SERVE_OWNED_ENV = (
+    "ELASTICKV",
+    "VLLM_NIXL_SIDE_CHANNEL_PORT",
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
+    "VLLM_RPC_BASE_PATH",
+)
 
 
 def load_config(path: str | os.PathLike[str], **overrides: Any) -> ServeConfig:

@@ -14,9 +14,11 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -43,6 +45,13 @@ ROUTER_KEEP_ALIVE_S = 30.0
 PD_KV_TRANSFER_CONFIG = json.dumps(
     {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 )
+# vLLM's processes talk over ZeroMQ IPC sockets that it creates in ``VLLM_RPC_BASE_PATH`` (by
+# default the system's temporary directory) and leaves there when it stops: seven per start of
+# a 0.32 server, so a serve that stops and wakes its engines would fill /tmp. Each engine gets
+# a directory of its own (owner-only), removed once the engine is stopped or killed.
+RPC_DIR_PREFIX = "elastickv-rpc-"
+# A unix socket's path holds at most 107 bytes, and vLLM adds "/" and a 36-character uuid.
+MAX_RPC_DIR_BYTES = 107 - 37
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -169,12 +178,27 @@ def _child_setup(parent_pid: int) -> None:
         os._exit(1)
 
 
+def make_rpc_dir() -> Path:
+    """A new owner-only directory for one engine's IPC sockets (see ``RPC_DIR_PREFIX``)."""
+    path = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
+    if len(os.fsencode(path)) > MAX_RPC_DIR_BYTES:
+        path.rmdir()
+        raise EngineStartError(
+            f"the temporary directory {path.parent} is too long a path for an engine's IPC "
+            f"sockets (a unix socket path holds 107 bytes); set TMPDIR to a shorter one"
+        )
+    return path
+
+
 class EngineProcess:
     """A started engine: its process group, exit, health, and stopping it."""
 
-    def __init__(self, launch: EngineLaunch, proc: asyncio.subprocess.Process) -> None:
+    def __init__(
+        self, launch: EngineLaunch, proc: asyncio.subprocess.Process, rpc_dir: Path
+    ) -> None:
         self.launch = launch
         self.proc = proc
+        self.rpc_dir = rpc_dir
         self.started_at = time.monotonic()
         self.stopping = False
 
@@ -182,18 +206,23 @@ class EngineProcess:
     async def start(cls, launch: EngineLaunch) -> EngineProcess:
         launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         me = os.getpid()
-        with launch.log_path.open("ab") as log:
-            os.chmod(launch.log_path, 0o600)
-            proc = await asyncio.create_subprocess_exec(
-                *launch.argv,
-                env=dict(launch.env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=lambda: _child_setup(me),
-            )
-        return cls(launch, proc)
+        rpc_dir = make_rpc_dir()
+        try:
+            with launch.log_path.open("ab") as log:
+                os.chmod(launch.log_path, 0o600)
+                proc = await asyncio.create_subprocess_exec(
+                    *launch.argv,
+                    env={**launch.env, "VLLM_RPC_BASE_PATH": str(rpc_dir)},
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=lambda: _child_setup(me),
+                )
+        except BaseException:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
+            raise
+        return cls(launch, proc, rpc_dir)
 
     @property
     def pid(self) -> int:
@@ -251,10 +280,13 @@ class EngineProcess:
             await self.proc.wait()
 
     def kill(self) -> None:
-        """SIGKILL the whole engine now (every process of its session)."""
+        """SIGKILL the whole engine now (every process of its session), and remove the
+        sockets it leaves (its IPC directory). Every way an engine ends comes here: a stop,
+        an unexpected exit, serve's exit."""
         self.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
         for proc in self.processes():
             with contextlib.suppress(psutil.Error):
                 proc.kill()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)

@@ -1,0 +1,122 @@
+"""An engine's process as serve starts and ends it, with a small Python program standing in
+for vLLM (the real engines are in tests/integration_vllm/test_vllm_plugin_v032_serve.py): its
+IPC sockets go to a directory of its own, owner-only, that is gone however the engine ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from elastickv.serve.engine import (
+    MAX_RPC_DIR_BYTES,
+    RPC_DIR_PREFIX,
+    EngineLaunch,
+    EngineProcess,
+    EngineStartError,
+    make_rpc_dir,
+)
+
+# What vLLM does with VLLM_RPC_BASE_PATH: bind ZeroMQ IPC sockets there, named by uuid, and
+# leave the files behind when it is stopped. ``exit_after`` > 0: exit by itself (a crash).
+ENGINE = """
+import os, socket, sys, time, uuid
+base = os.environ["VLLM_RPC_BASE_PATH"]
+socks = []
+for _ in range(3):
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(os.path.join(base, str(uuid.uuid4())))
+    socks.append(s)
+exit_after = float(sys.argv[1])
+time.sleep(exit_after if exit_after > 0 else 3600)
+os._exit(3)
+"""
+
+
+def launch(tmp_path: Path, exit_after: float = 0.0) -> EngineLaunch:
+    argv = (sys.executable, "-c", ENGINE, str(exit_after))
+    return EngineLaunch("m", argv, dict(os.environ), 1, tmp_path / "logs" / "m.log")
+
+
+async def sockets_in(path: Path, count: int) -> list[Path]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        found = [p for p in path.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+        if len(found) >= count:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no {count} sockets in {path}: {list(path.iterdir())}")
+
+
+def test_sockets_go_to_an_owner_only_directory_removed_at_stop(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        engine = await EngineProcess.start(launch(tmp_path))
+        rpc = engine.rpc_dir
+        try:
+            assert rpc.name.startswith(RPC_DIR_PREFIX)
+            assert rpc.parent == Path(tempfile.gettempdir())
+            assert stat.S_IMODE(rpc.stat().st_mode) == 0o700
+            assert len(await sockets_in(rpc, 3)) == 3
+            environ = Path(f"/proc/{engine.pid}/environ").read_bytes().split(b"\0")
+            assert f"VLLM_RPC_BASE_PATH={rpc}".encode() in environ
+        finally:
+            await engine.stop(timeout=5)
+        assert engine.exited and not engine.processes()
+        assert not rpc.exists()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_that_exits_by_itself_leaves_no_sockets_once_killed(tmp_path: Path) -> None:
+    """The crash path: serve sees the exit and kills what is left of the engine's session."""
+
+    async def scenario() -> None:
+        engine = await EngineProcess.start(launch(tmp_path, exit_after=0.5))
+        await sockets_in(engine.rpc_dir, 3)
+        assert await engine.proc.wait() == 3
+        assert engine.rpc_dir.exists()  # vLLM's leftovers, until serve takes the engine down
+        engine.kill()
+        assert not engine.rpc_dir.exists()
+
+    asyncio.run(scenario())
+
+
+def test_each_start_gets_its_own_directory(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        first = await EngineProcess.start(launch(tmp_path))
+        second = await EngineProcess.start(launch(tmp_path))
+        try:
+            assert first.rpc_dir != second.rpc_dir
+        finally:
+            await asyncio.gather(first.stop(timeout=5), second.stop(timeout=5))
+        assert not first.rpc_dir.exists() and not second.rpc_dir.exists()
+
+    asyncio.run(scenario())
+
+
+def test_a_program_that_cannot_start_leaves_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with tempfile.TemporaryDirectory(prefix="t-") as short:  # pytest's tmp_path is too long
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        missing = EngineLaunch("m", (str(tmp_path / "no-python"),), {}, 1, tmp_path / "m.log")
+        with pytest.raises(FileNotFoundError):
+            asyncio.run(EngineProcess.start(missing))
+        assert os.listdir(short) == []
+
+
+def test_a_temporary_directory_too_long_for_sockets_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deep = tmp_path / ("d" * max(1, MAX_RPC_DIR_BYTES - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with pytest.raises(EngineStartError, match="set TMPDIR to a shorter one"):
+        make_rpc_dir()
+    assert list(deep.iterdir()) == []
