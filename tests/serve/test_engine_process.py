@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +22,7 @@ from elastickv.serve.engine import (
     EngineProcess,
     EngineStartError,
     make_rpc_dir,
+    remove_stale_rpc_dirs,
 )
 
 # What vLLM does with VLLM_RPC_BASE_PATH: bind ZeroMQ IPC sockets there, named by uuid, and
@@ -120,3 +122,32 @@ def test_a_temporary_directory_too_long_for_sockets_is_a_clear_error(
     with pytest.raises(EngineStartError, match="set TMPDIR to a shorter one"):
         make_rpc_dir()
     assert list(deep.iterdir()) == []
+
+
+def test_directories_left_by_a_killed_serve_are_removed_at_the_next_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``kill -9`` of serve leaves is removed by the next serve; a directory a live
+    process uses, or one just made (another serve starting an engine), stays."""
+    with tempfile.TemporaryDirectory(prefix="t-") as short:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        base = Path(short)
+        stale, live, fresh = (base / f"{RPC_DIR_PREFIX}{name}" for name in ("a", "b", "c"))
+        for path in (stale, live, fresh):
+            path.mkdir(mode=0o700)
+        (base / f"{RPC_DIR_PREFIX}file").write_text("not a directory")
+        hour_ago = time.time() - 3600
+        for path in (stale, live):
+            os.utime(path, (hour_ago, hour_ago))
+        user = subprocess.Popen(
+            [sys.executable, "-c", "import time; time.sleep(60)"],
+            env={**os.environ, "VLLM_RPC_BASE_PATH": str(live)},
+        )
+        try:
+            assert remove_stale_rpc_dirs() == [stale]
+        finally:
+            user.kill()
+            user.wait()
+        assert not stale.exists() and live.is_dir() and fresh.is_dir()
+        assert (base / f"{RPC_DIR_PREFIX}file").is_file()
+        assert remove_stale_rpc_dirs() == [live]  # its process is gone now

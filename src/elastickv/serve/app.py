@@ -24,7 +24,13 @@ from aiohttp import web
 from elastickv.control import Ledger, LedgerError, open_ledger
 from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
 from elastickv.serve.config import ModelConfig, ServeConfig
-from elastickv.serve.engine import EngineStartError, build_launch, free_port, log_path
+from elastickv.serve.engine import (
+    EngineStartError,
+    build_launch,
+    free_port,
+    log_path,
+    remove_stale_rpc_dirs,
+)
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
 from elastickv.serve.pd import PDPair
@@ -132,6 +138,8 @@ class ServeApp:
         """Serve until ``stop`` is set; every process started is stopped on the way out."""
         self.check()
         self.ledger = self._open_ledger()
+        for path in remove_stale_rpc_dirs():
+            logger.info("removed %s: IPC sockets of engines no process uses any more", path)
         try:
             self._session = upstream_session()
             self._build_models()

@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -52,6 +53,9 @@ PD_KV_TRANSFER_CONFIG = json.dumps(
 RPC_DIR_PREFIX = "elastickv-rpc-"
 # A unix socket's path holds at most 107 bytes, and vLLM adds "/" and a 36-character uuid.
 MAX_RPC_DIR_BYTES = 107 - 37
+# A directory younger than this is never taken for stale: it may belong to an engine that
+# another serve is starting now (made, its process not yet begun).
+STALE_RPC_DIR_AGE_S = 60.0
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -188,6 +192,35 @@ def make_rpc_dir() -> Path:
             f"sockets (a unix socket path holds 107 bytes); set TMPDIR to a shorter one"
         )
     return path
+
+
+def remove_stale_rpc_dirs(now: float | None = None) -> list[Path]:
+    """Remove this user's engine IPC directories that no live process uses: what the engines
+    of a serve killed with ``-9`` left (serve could not remove them). A directory is in use
+    while a process of this user has it as ``VLLM_RPC_BASE_PATH``; one changed in the last
+    ``STALE_RPC_DIR_AGE_S`` is kept. Returns the directories removed."""
+    now = time.time() if now is None else now
+    uid = os.getuid()
+    candidates = []
+    for path in Path(tempfile.gettempdir()).glob(f"{RPC_DIR_PREFIX}*"):
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            old = now - info.st_mtime >= STALE_RPC_DIR_AGE_S
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == uid and old:
+                candidates.append(path)
+    if not candidates:
+        return []
+    in_use = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.uids().real == uid:
+                used = proc.environ().get("VLLM_RPC_BASE_PATH")
+                if used:
+                    in_use.add(os.path.realpath(used))
+    removed = [path for path in candidates if os.path.realpath(path) not in in_use]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 class EngineProcess:
