@@ -194,12 +194,12 @@ def make_rpc_dir() -> Path:
     return path
 
 
-def remove_stale_rpc_dirs(now: float | None = None) -> list[Path]:
+def remove_stale_rpc_dirs() -> list[Path]:
     """Remove this user's engine IPC directories that no live process uses: what the engines
     of a serve killed with ``-9`` left (serve could not remove them). A directory is in use
     while a process of this user has it as ``VLLM_RPC_BASE_PATH``; one changed in the last
     ``STALE_RPC_DIR_AGE_S`` is kept. Returns the directories removed."""
-    now = time.time() if now is None else now
+    now = time.time()
     uid = os.getuid()
     candidates = []
     for path in Path(tempfile.gettempdir()).glob(f"{RPC_DIR_PREFIX}*"):
