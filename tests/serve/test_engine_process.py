@@ -17,7 +17,9 @@ import pytest
 
 from elastickv.serve.engine import (
     MAX_RPC_DIR_BYTES,
+    PRIVATE_SHM_NAME,
     RPC_DIR_PREFIX,
+    SHM_DIR,
     EngineLaunch,
     EngineProcess,
     EngineStartError,
@@ -151,3 +153,57 @@ def test_directories_left_by_a_killed_serve_are_removed_at_the_next_start(
         assert not stale.exists() and live.is_dir() and fresh.is_dir()
         assert (base / f"{RPC_DIR_PREFIX}file").is_file()
         assert remove_stale_rpc_dirs() == [live]  # its process is gone now
+
+
+# What vLLM's processes map in /dev/shm: the CPU TP communicator's segment and a broadcast
+# queue (left behind), and a file that is not vLLM's own (a ledger: never touched).
+SHM_ENGINE = """
+import mmap, os, sys, time
+maps = []
+for name in sys.argv[1:]:
+    fd = os.open(os.path.join("/dev/shm", name), os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, 4096)
+    maps.append(mmap.mmap(fd, 4096))
+open(os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "ready"), "w").close()
+time.sleep(3600)
+"""
+
+
+def test_vllms_private_shared_memory_is_removed_with_the_engine(tmp_path: Path) -> None:
+    tag = f"{os.getpid():x}{time.monotonic_ns():x}"
+    private = [f"vllm_dist_{tag}-tp:0-[0-1]-cpushm_0", f"psm_{tag}"]
+    other = f"elastickv-test-{tag}"
+    names = [*private, other]
+    argv = (sys.executable, "-c", SHM_ENGINE, *names)
+    engine_launch = EngineLaunch("m", argv, dict(os.environ), 1, tmp_path / "m.log")
+
+    async def scenario() -> None:
+        engine = await EngineProcess.start(engine_launch)
+        try:
+            deadline = time.monotonic() + 20
+            while not (engine.rpc_dir / "ready").exists():
+                assert time.monotonic() < deadline and not engine.exited
+                await asyncio.sleep(0.05)
+            engine.note_shared_memory()
+            assert engine.shared_memory == {SHM_DIR / name for name in private}
+        finally:
+            await engine.stop(timeout=5)
+
+    try:
+        asyncio.run(scenario())
+        assert [name for name in names if (SHM_DIR / name).exists()] == [other]
+    finally:
+        for name in names:
+            (SHM_DIR / name).unlink(missing_ok=True)
+
+
+def test_private_shared_memory_names() -> None:
+    for name in (
+        "vllm_dist_9c171ea068534e21b780f94ed522f0d7-tp:0-[0-1]-cpushm_1",
+        "43993-tp:0-[0-1]-cpushm_0",
+        "psm_0ace815b",
+        "sem.mp-36k5vnia",
+    ):
+        assert PRIVATE_SHM_NAME.fullmatch(name), name
+    for name in ("elastickv-ledger-host", "psm_", "nixl_agent", "vllm_dist_9c17", "torch_123"):
+        assert not PRIVATE_SHM_NAME.fullmatch(name), name

@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,7 +22,7 @@ import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,13 @@ MAX_RPC_DIR_BYTES = 107 - 37
 # A directory younger than this is never taken for stale: it may belong to an engine that
 # another serve is starting now (made, its process not yet begun).
 STALE_RPC_DIR_AGE_S = 60.0
+# vLLM's shared-memory files that belong to one engine alone: its processes map them, and
+# vLLM leaves some behind: the CPU tensor-parallel communicator's two segments (4 MB each) on
+# every stop, its broadcast queues and Python's semaphores when it dies. serve notes them
+# once the engine is healthy and removes them once it is gone. Nothing else (the ledger, a
+# connector's segments) matches.
+SHM_DIR = Path("/dev/shm")
+PRIVATE_SHM_NAME = re.compile(r".+-cpushm_[0-9]+|psm_[0-9a-f]+|sem\.mp-\w+")
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -223,6 +231,22 @@ def remove_stale_rpc_dirs() -> list[Path]:
     return removed
 
 
+def private_shared_memory(pids: Iterable[int]) -> set[Path]:
+    """The files of ``SHM_DIR`` that processes ``pids`` map and whose names are vLLM's
+    private ones (``PRIVATE_SHM_NAME``)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = psutil.Process(pid).memory_maps(grouped=True)
+        except (psutil.Error, OSError):
+            continue
+        for mapping in maps:
+            path = Path(mapping.path)
+            if path.parent == SHM_DIR and PRIVATE_SHM_NAME.fullmatch(path.name):
+                found.add(path)
+    return found
+
+
 class EngineProcess:
     """A started engine: its process group, exit, health, and stopping it."""
 
@@ -232,6 +256,7 @@ class EngineProcess:
         self.launch = launch
         self.proc = proc
         self.rpc_dir = rpc_dir
+        self.shared_memory: set[Path] = set()  # see :meth:`note_shared_memory`
         self.started_at = time.monotonic()
         self.stopping = False
 
@@ -293,6 +318,11 @@ class EngineProcess:
             f"{self.launch.log_path}:\n{self.log_tail()}"
         )
 
+    def note_shared_memory(self) -> None:
+        """Remember vLLM's private shared-memory files the engine maps now (once healthy),
+        to remove whatever of them it leaves (see ``PRIVATE_SHM_NAME``)."""
+        self.shared_memory |= private_shared_memory(p.pid for p in self.processes())
+
     def processes(self) -> list[psutil.Process]:
         """Every live process of the engine: its session (API server, engine core, workers)."""
         return session_processes(self.pid)
@@ -313,9 +343,9 @@ class EngineProcess:
             await self.proc.wait()
 
     def kill(self) -> None:
-        """SIGKILL the whole engine now (every process of its session), and remove the
-        sockets it leaves (its IPC directory). Every way an engine ends comes here: a stop,
-        an unexpected exit, serve's exit."""
+        """SIGKILL the whole engine now (every process of its session), and remove what it
+        leaves: its IPC directory and its private shared memory. Every way an engine ends
+        comes here: a stop, an unexpected exit, serve's exit."""
         self.stopping = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signal.SIGKILL)
@@ -323,3 +353,8 @@ class EngineProcess:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        uid = os.getuid()
+        for path in self.shared_memory:
+            with contextlib.suppress(OSError):
+                if path.lstat().st_uid == uid:
+                    path.unlink()

@@ -140,6 +140,7 @@ class ServedModel:
         self.engine = engine
         try:
             seconds = await engine.wait_healthy(self.hooks.session, START_TIMEOUT_S)
+            await asyncio.to_thread(engine.note_shared_memory)
             await self.hooks.engine_ready(self.name)
         except BaseException:
             await engine.stop(timeout=10)
