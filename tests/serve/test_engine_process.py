@@ -15,14 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from elastickv.serve.engine import (
+from elastickv.serve.engine import EngineLaunch, EngineProcess, EngineStartError
+from elastickv.serve.leftovers import (
     MAX_RPC_DIR_BYTES,
     PRIVATE_SHM_NAME,
     RPC_DIR_PREFIX,
     SHM_DIR,
-    EngineLaunch,
-    EngineProcess,
-    EngineStartError,
     make_rpc_dir,
     remove_stale_rpc_dirs,
 )
@@ -121,8 +119,10 @@ def test_a_temporary_directory_too_long_for_sockets_is_a_clear_error(
     deep = tmp_path / ("d" * max(1, MAX_RPC_DIR_BYTES - len(str(tmp_path))))
     deep.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(deep))
-    with pytest.raises(EngineStartError, match="set TMPDIR to a shorter one"):
+    with pytest.raises(ValueError, match="set TMPDIR to a shorter one"):
         make_rpc_dir()
+    with pytest.raises(EngineStartError, match="set TMPDIR to a shorter one"):
+        asyncio.run(EngineProcess.start(launch(tmp_path)))  # serve's start error
     assert list(deep.iterdir()) == []
 
 

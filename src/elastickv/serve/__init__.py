@@ -2,7 +2,8 @@
 device's KV memory by demand.
 
 Layers, each in its own module: :mod:`.config` (what to serve, validated once),
-:mod:`.engine` (one vLLM OpenAI server process), :mod:`.model` (a model's life: start, serve,
+:mod:`.engine` (one vLLM OpenAI server process), :mod:`.leftovers` (what an engine leaves
+when it ends: its IPC sockets and shared memory), :mod:`.model` (a model's life: start, serve,
 release, stop, wake, restart), :mod:`.arbiter` (the shared budget, through ledger limits),
 :mod:`.router` (the HTTP endpoint), :mod:`.metrics`, :mod:`.state_file` (what ``elastickv
 list`` / ``top`` show) and :mod:`.app`, which wires them together.

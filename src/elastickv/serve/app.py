@@ -24,13 +24,8 @@ from aiohttp import web
 from elastickv.control import Ledger, LedgerError, open_ledger
 from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
 from elastickv.serve.config import ModelConfig, ServeConfig
-from elastickv.serve.engine import (
-    EngineStartError,
-    build_launch,
-    free_port,
-    log_path,
-    remove_stale_rpc_dirs,
-)
+from elastickv.serve.engine import EngineStartError, build_launch, free_port, log_path
+from elastickv.serve.leftovers import remove_stale_rpc_dirs
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
 from elastickv.serve.pd import PDPair

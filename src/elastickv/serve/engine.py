@@ -14,15 +14,12 @@ import contextlib
 import ctypes
 import json
 import os
-import re
 import shutil
 import signal
 import socket
-import stat
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,7 @@ import aiohttp
 import psutil
 
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
+from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
@@ -47,23 +45,6 @@ ROUTER_KEEP_ALIVE_S = 30.0
 PD_KV_TRANSFER_CONFIG = json.dumps(
     {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 )
-# vLLM's processes talk over ZeroMQ IPC sockets that it creates in ``VLLM_RPC_BASE_PATH`` (by
-# default the system's temporary directory) and leaves there when it stops: seven per start of
-# a 0.32 server, so a serve that stops and wakes its engines would fill /tmp. Each engine gets
-# a directory of its own (owner-only), removed once the engine is stopped or killed.
-RPC_DIR_PREFIX = "elastickv-rpc-"
-# A unix socket's path holds at most 107 bytes, and vLLM adds "/" and a 36-character uuid.
-MAX_RPC_DIR_BYTES = 107 - 37
-# A directory younger than this is never taken for stale: it may belong to an engine that
-# another serve is starting now (made, its process not yet begun).
-STALE_RPC_DIR_AGE_S = 60.0
-# vLLM's shared-memory files that belong to one engine alone: its processes map them, and
-# vLLM leaves some behind: the CPU tensor-parallel communicator's two segments (4 MB each) on
-# every stop, its broadcast queues and Python's semaphores when it dies. serve notes them
-# once the engine is healthy and removes them once it is gone. Nothing else (the ledger, a
-# connector's segments) matches.
-SHM_DIR = Path("/dev/shm")
-PRIVATE_SHM_NAME = re.compile(r".+-cpushm_[0-9]+|psm_[0-9a-f]+|sem\.mp-\w+")
 _libc = ctypes.CDLL(None, use_errno=True)
 _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
@@ -190,71 +171,6 @@ def _child_setup(parent_pid: int) -> None:
         os._exit(1)
 
 
-def make_rpc_dir() -> Path:
-    """A new owner-only directory for one engine's IPC sockets (see ``RPC_DIR_PREFIX``)."""
-    path = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
-    if len(os.fsencode(path)) > MAX_RPC_DIR_BYTES:
-        path.rmdir()
-        raise EngineStartError(
-            f"the temporary directory {path.parent} is too long a path for an engine's IPC "
-            f"sockets (a unix socket path holds 107 bytes); set TMPDIR to a shorter one"
-        )
-    return path
-
-
-def remove_stale_rpc_dirs() -> list[Path]:
-    """Remove this user's engine IPC directories that no live process uses: what the engines
-    of a serve killed with ``-9`` left (serve could not remove them). A directory is in use
-    while a process of this user has it as ``VLLM_RPC_BASE_PATH``; one changed in the last
-    ``STALE_RPC_DIR_AGE_S`` is kept. Returns the directories removed."""
-    now = time.time()
-    uid = os.getuid()
-    candidates = []
-    for path in Path(tempfile.gettempdir()).glob(f"{RPC_DIR_PREFIX}*"):
-        with contextlib.suppress(OSError):
-            info = path.lstat()
-            old = now - info.st_mtime >= STALE_RPC_DIR_AGE_S
-            if stat.S_ISDIR(info.st_mode) and info.st_uid == uid and old:
-                candidates.append(path)
-    if not candidates:
-        return []
-    in_use = set()
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error, OSError):
-            if proc.uids().real == uid:
-                used = proc.environ().get("VLLM_RPC_BASE_PATH")
-                if used:
-                    in_use.add(os.path.realpath(used))
-    removed = [path for path in candidates if os.path.realpath(path) not in in_use]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
-    return removed
-
-
-def private_shared_memory(pids: Iterable[int]) -> set[Path]:
-    """The files of ``SHM_DIR`` that processes ``pids`` map and whose names are vLLM's
-    private ones (``PRIVATE_SHM_NAME``). Reads ``/proc/<pid>/maps`` (1.4 ms for a process
-    that imported vLLM's server, against 34 ms for psutil's ``memory_maps``, which parses
-    ``smaps``)."""
-    found = set()
-    marker = f" {SHM_DIR}/".encode()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps", "rb") as maps:
-                data = maps.read()
-        except OSError:
-            continue
-        if marker not in data:
-            continue
-        for line in data.splitlines():
-            at = line.find(marker)
-            if at >= 0:
-                path = Path(os.fsdecode(line[at + 1 :]))  # an unlinked file ends " (deleted)"
-                if path.parent == SHM_DIR and PRIVATE_SHM_NAME.fullmatch(path.name):
-                    found.add(path)
-    return found
-
-
 class EngineProcess:
     """A started engine: its process group, exit, health, and stopping it."""
 
@@ -272,7 +188,10 @@ class EngineProcess:
     async def start(cls, launch: EngineLaunch) -> EngineProcess:
         launch.log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         me = os.getpid()
-        rpc_dir = make_rpc_dir()
+        try:
+            rpc_dir = make_rpc_dir()
+        except ValueError as exc:
+            raise EngineStartError(str(exc)) from None
         try:
             with launch.log_path.open("ab") as log:
                 os.chmod(launch.log_path, 0o600)
