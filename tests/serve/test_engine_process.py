@@ -1,6 +1,7 @@
-"""An engine's process as serve starts and ends it, with a small Python program standing in
+"""An engine's process as serve starts and ends it, with small Python programs standing in
 for vLLM (the real engines are in tests/integration_vllm/test_vllm_plugin_v032_serve.py): its
-IPC sockets go to a directory of its own, owner-only, that is gone however the engine ends."""
+IPC sockets go to a directory of its own, owner-only, that is gone however the engine ends,
+and vLLM's private shared memory it leaves in /dev/shm is removed with it."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -28,7 +27,7 @@ import aiohttp
 import psutil
 
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
-from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory
+from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory, remove_leftovers
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
@@ -205,7 +204,7 @@ class EngineProcess:
                     preexec_fn=lambda: _child_setup(me),
                 )
         except BaseException:
-            shutil.rmtree(rpc_dir, ignore_errors=True)
+            remove_leftovers(rpc_dir)
             raise
         return cls(launch, proc, rpc_dir)
 
@@ -279,9 +278,4 @@ class EngineProcess:
         for proc in self.processes():
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
-        uid = os.getuid()
-        for path in self.shared_memory:
-            with contextlib.suppress(OSError):
-                if path.lstat().st_uid == uid:
-                    path.unlink()
+        remove_leftovers(self.rpc_dir, self.shared_memory)

@@ -1,8 +1,8 @@
 """What a vLLM engine leaves behind when it stops or dies, and how serve keeps it contained:
 its IPC sockets (a private directory per engine start) and its private shared memory in
-``/dev/shm``. :class:`~elastickv.serve.engine.EngineProcess` removes both once the engine's
-processes are gone; :func:`remove_stale_rpc_dirs` removes what a serve killed with ``-9``
-left.
+``/dev/shm``. :class:`~elastickv.serve.engine.EngineProcess` removes both
+(:func:`remove_leftovers`) once the engine's processes are gone; :func:`remove_stale_rpc_dirs`
+removes what a serve killed with ``-9`` left.
 """
 
 from __future__ import annotations
@@ -102,3 +102,14 @@ def private_shared_memory(pids: Iterable[int]) -> set[Path]:
                 if path.parent == SHM_DIR and PRIVATE_SHM_NAME.fullmatch(path.name):
                     found.add(path)
     return found
+
+
+def remove_leftovers(rpc_dir: Path, shared_memory: Iterable[Path] = ()) -> None:
+    """Remove what an engine left once it is gone: its IPC directory and those of its
+    private shared-memory files (:func:`private_shared_memory`) still there and this user's."""
+    shutil.rmtree(rpc_dir, ignore_errors=True)
+    uid = os.getuid()
+    for path in shared_memory:
+        with contextlib.suppress(OSError):
+            if path.lstat().st_uid == uid:
+                path.unlink()
