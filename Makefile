@@ -29,15 +29,15 @@ RAY_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.ray-installed
 VLLM_TESTS := tests/vllm tests/integration_vllm
 V028 := $(VLLM_VENV_ROOT)/vllm-0.28/bin/python
 V032 := $(VLLM_VENV_ROOT)/vllm-0.32/bin/python
-# The suite runs as two streams at once, then vLLM 0.32's P/D tests alone. A test process
-# keeps about one core busy (0.93 cores measured over the 0.32 engine and server tests), so
-# two streams fit the two cores CI has. The P/D tests run NIXL, whose progress threads poll
-# a core each: beside another stream they would starve it.
-PD_TESTS := $(addprefix tests/integration_vllm/test_vllm_plugin_v032_,\
-	pd.py pd_tp.py pd_inprocess.py serve_pd.py)
+# The suite runs as two streams at once. A test process keeps about one core busy (0.93 cores
+# measured over the 0.32 engine and server tests), so two streams fit the two cores CI has.
+# The P/D tests' engines let NIXL's progress threads sleep while idle
+# (ELASTICKV_NIXL_PROGRESS_WAIT_MS): NIXL's own spin, a core per worker, would starve the
+# other stream.
 # vLLM 0.32 tests that run in the second stream, after the project suite and vLLM 0.28's
 # tests, to balance the two.
-BESIDE_TESTS := tests/integration_vllm/test_vllm_plugin_v032_serve.py
+BESIDE_TESTS := $(addprefix tests/integration_vllm/test_vllm_plugin_v032_,\
+	serve.py pd.py pd_tp.py)
 
 # The CUDA backend runs through the real cuda-bindings against a fake libcuda, once with the
 # lowest release the pyproject allows and once with the newest (the one in .venv). The folder
@@ -64,7 +64,7 @@ demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 
 # Lint and type-check; then two streams at once (their output shown as each ends): vLLM
 # 0.32's real-vLLM tests, and the project suite, the fake-driver suite, vLLM 0.28's tests and
-# BESIDE_TESTS; then PD_TESTS. Test folders have no __init__.py, so mypy checks each folder
+# BESIDE_TESTS. Test folders have no __init__.py, so mypy checks each folder
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
 test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
@@ -73,11 +73,10 @@ test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA
 	$(VENV)/bin/mypy src benchmarks
 	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
 	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-032 test-rest
-	$(V032) -m pytest $(PD_TESTS)
 
 # The streams of `make test` (they expect its environments to exist).
 test-vllm-032:
-	$(V032) -m pytest $(VLLM_TESTS) $(addprefix --ignore=,$(PD_TESTS) $(BESIDE_TESTS))
+	$(V032) -m pytest $(VLLM_TESTS) $(addprefix --ignore=,$(BESIDE_TESTS))
 
 test-rest:
 	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm --ignore=$(FAKE_TESTS)

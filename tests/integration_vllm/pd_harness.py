@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy
+import psutil
 from plugin_harness import ELASTIC, PAGE, Server, pool_fds
 
 from elastickv.serve.pd import prefill_request
@@ -22,6 +24,9 @@ BLOCK = 32
 # one, so that the late-decoder step outlives it. elastickv holds unread blocks HOLD_S more.
 LEASE_S = 4
 HOLD_S = 60
+# NIXL's progress thread waits for events (at most 5 ms) instead of spinning: three spinning
+# workers (the TP=1 and TP=2 pair) would starve the engines on CI's two cores.
+NIXL_WAIT_MS = 5
 KV_TRANSFER = json.dumps(
     {
         "kv_connector": "NixlConnector",
@@ -138,6 +143,28 @@ def engine_env(side_port: int, core: int) -> dict[str, str]:
         **ELASTIC,
         "ELASTICKV_BUDGET": str(BUDGET),
         "ELASTICKV_KV_READ_HOLD": str(HOLD_S),
+        "ELASTICKV_NIXL_PROGRESS_WAIT_MS": str(NIXL_WAIT_MS),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
     }
+
+
+def idle_cpu_s(servers: list[Server], seconds: float = 2.0) -> float:
+    """CPU seconds the servers' processes use over ``seconds`` with no request in flight."""
+
+    def used() -> float:
+        total = 0.0
+        for server in servers:
+            for pid in [server.proc.pid, *server.descendants]:
+                try:
+                    times = psutil.Process(pid).cpu_times()
+                except psutil.Error:
+                    continue
+                total += times.user + times.system
+        return total
+
+    for server in servers:
+        server.snapshot_descendants()
+    before = used()
+    time.sleep(seconds)
+    return used() - before

@@ -19,8 +19,10 @@ import pytest
 from pd_harness import (
     ENGINE,
     MAX_TOKENS,
+    NIXL_WAIT_MS,
     engine_env,
     exchange,
+    idle_cpu_s,
     parallel,
     post,
     prompts,
@@ -29,6 +31,7 @@ from pd_harness import (
 from plugin_harness import TP, TP_BIND, free_port, ledger_list, openai_server, terminate
 
 PROMPTS = prompts(8, "Across")
+IDLE_S = 2.0
 
 
 def moved_bytes(server: Any) -> float:
@@ -70,10 +73,11 @@ def pd_tp(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
             token_ids(p[1]) for p in parallel(lambda x: exchange(two, one, x), PROMPTS)
         ]
         r["read_by_tp1"] = moved_bytes(one)
+        r["idle_cpu_s"] = idle_cpu_s([one, two], IDLE_S)
         r["ledger"] = ledger_list(cache_root / "ledger")["instances"]
         r["stops"] = [terminate(two), terminate(one)]
     r["ledger_after"] = ledger_list(cache_root / "ledger")["instances"]
-    print("\n[pd tp]", {k: v for k, v in r.items() if k.startswith("read_by")})
+    print("\n[pd tp]", {k: v for k, v in r.items() if k.startswith(("read_by", "idle"))})
     return r
 
 
@@ -94,3 +98,11 @@ def test_both_engines_registered_and_nothing_left(pd_tp: dict[str, Any]) -> None
     assert len(pd_tp["ledger"]) == 2, pd_tp["ledger"]
     assert all(stop["left"] == {} for stop in pd_tp["stops"]), pd_tp["stops"]
     assert pd_tp["ledger_after"] == []
+
+
+def test_idle_engines_nixl_threads_sleep(pd_tp: dict[str, Any]) -> None:
+    """With ``ELASTICKV_NIXL_PROGRESS_WAIT_MS`` the three workers' NIXL progress threads
+    sleep while nothing is in flight: spinning, they would take three cores' worth of CPU
+    (about ``3 * IDLE_S`` seconds, or all of a two-core host's ``2 * IDLE_S``)."""
+    assert NIXL_WAIT_MS > 0
+    assert pd_tp["idle_cpu_s"] < IDLE_S / 2, pd_tp["idle_cpu_s"]

@@ -4,9 +4,11 @@ reserve, typos caught."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from elastickv.integrations.vllm.config import ElasticConfig, ignored_settings
+from elastickv.integrations.vllm.config import SETTINGS, ElasticConfig, ignored_settings
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.vmm.host import largest_reservation
 
@@ -41,6 +43,18 @@ def test_read_hold_takes_seconds() -> None:
     assert ElasticConfig.from_env({"ELASTICKV_KV_READ_HOLD": "0"}).kv_read_hold_s == 0.0
 
 
+def test_every_setting_is_in_the_settings_table_of_the_docs() -> None:
+    table = (Path(__file__).parents[2] / "docs" / "vllm.md").read_text()
+    missing = [var for var, _ in SETTINGS.values() if f"| `{var}` |" not in table]
+    assert missing == [], f"docs/vllm.md has no row for {missing}"
+
+
+def test_nixl_progress_wait_takes_milliseconds() -> None:
+    assert ElasticConfig.from_env({}).nixl_progress_wait_ms == 0
+    env = {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "5"}
+    assert ElasticConfig.from_env(env).nixl_progress_wait_ms == 5
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
@@ -63,6 +77,13 @@ def test_read_hold_takes_seconds() -> None:
         ({"ELASTICKV_KV_READ_HOLD": "-5"}, "ELASTICKV_KV_READ_HOLD=-5 must be a number of"),
         ({"ELASTICKV_KV_READ_HOLD": "nan"}, "ELASTICKV_KV_READ_HOLD='nan' is not a number"),
         ({"ELASTICKV_KV_READ_HOLD": "inf"}, "from 0 to 86400"),
+        ({"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "5ms"}, "='5ms' is not a whole number"),
+        (
+            {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "-1"},
+            "ELASTICKV_NIXL_PROGRESS_WAIT_MS=-1 must be a whole number of milliseconds from 0 "
+            "to 1000",
+        ),
+        ({"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "5000"}, "=5000 must be a whole number"),
     ],
 )
 def test_errors_echo_the_setting_as_typed(env: dict[str, str], message: str) -> None:

@@ -136,6 +136,16 @@ model = "tiny-llama-bf16"
             mapping(model(pd={"decode_args": ["--kv_transfer_config={}"]})),
             "decode_args set --kv-transfer-config",
         ),
+        (
+            mapping(model(pd={"nixl_progress_wait_ms": "5ms"})),
+            "pd nixl_progress_wait_ms = '5ms': use a whole number of milliseconds from 0 to 1000",
+        ),
+        (mapping(model(pd={"nixl_progress_wait_ms": 1001})), "nixl_progress_wait_ms = 1001"),
+        (mapping(model(pd={"nixl_progress_wait_ms": True})), "nixl_progress_wait_ms = True"),
+        (
+            mapping(model(pd={"nixl_progress_wait_ms": 5}), mode="static"),
+            "nixl_progress_wait_ms needs elastickv in the engine",
+        ),
         (mapping(model(pd=True), model(name="a/prefill")), "model name 'a/prefill' is used"),
         (mapping(model(name="b/prefill"), model(name="b", pd=True)), "used twice"),
     ],
@@ -153,6 +163,7 @@ def test_a_pd_model_is_two_engines_under_one_name() -> None:
         "decode_args": ["--max-num-seqs", "4"],
         "prefill_env": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
         "decode_env": {"VLLM_CPU_OMP_THREADS_BIND": 1},
+        "nixl_progress_wait_ms": 5,
     }
     data = mapping(
         model(name="chat", pd=pd, args=["--enforce-eager"], env={"OMP": "2"}, min_kv="8M"),
@@ -193,6 +204,9 @@ def test_a_pd_model_is_two_engines_under_one_name() -> None:
     )
     assert "--kv-transfer-config" not in plain.argv
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in plain.env
+    # Both engines of the pair, and only they, get NIXL's progress wait.
+    assert [launch.env.get("ELASTICKV_NIXL_PROGRESS_WAIT_MS") for launch in launches] == ["5"] * 2
+    assert "ELASTICKV_NIXL_PROGRESS_WAIT_MS" not in plain.env
     # Every engine keeps idle connections longer than the router does (see the router test).
     for launch in (*launches, plain):
         assert launch.env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == str(ENGINE_KEEP_ALIVE_S)

@@ -1,8 +1,8 @@
 """Run each real-vLLM contract file only in the virtual environment whose vLLM it checks.
 
-``test_contract_v032.py`` / ``test_transfer_v032.py`` need vLLM 0.32.x and the ``_v028`` files
-vLLM 0.28.x; the other version's files are not collected at all (never skipped file-wide in
-the matching venv). Without vLLM (the project venv) the whole folder is ignored.
+The ``_v032`` files need vLLM 0.32.x and the ``_v028`` files vLLM 0.28.x; the other version's
+files are not collected at all (never skipped file-wide in the matching venv). Without vLLM
+(the project venv) the whole folder is ignored.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib.util
 
 _FILES = {
     "0.28": ("test_contract_v028.py", "test_transfer_v028.py"),
-    "0.32": ("test_contract_v032.py", "test_transfer_v032.py"),
+    "0.32": ("test_contract_v032.py", "test_transfer_v032.py", "test_nixl_progress_v032.py"),
 }
 
 

@@ -35,7 +35,8 @@ that names the field, the value and what is accepted.
 
 A ``pd`` model is served under its name and runs as two engines, ``<name>/prefill`` and
 ``<name>/decode`` (each with the model's args, min_kv and max_kv, plus ``prefill_args`` /
-``decode_args`` and the ``*_env`` tables); the router does the two-step exchange.
+``decode_args`` and the ``*_env`` tables; ``nixl_progress_wait_ms`` lets their idle NIXL
+progress threads sleep); the router does the two-step exchange.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from elastickv.integrations.vllm.nixl_progress import MAX_WAIT_MS
 from elastickv.units import format_bytes, parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -83,6 +85,7 @@ class ModelConfig:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the engine
     role: str | None = None  # "prefill" or "decode": one engine of a P/D pair
     group: str | None = None  # a P/D engine's pair: the name clients use
+    nixl_progress_wait_ms: int = 0  # a P/D engine: NIXL's progress thread waits (0: spins)
 
     @property
     def served_name(self) -> str:
@@ -197,7 +200,7 @@ _MODEL_KEYS = {
     "env",
     "pd",
 }
-_PD_KEYS = {"prefill_args", "decode_args", "prefill_env", "decode_env"}
+_PD_KEYS = {"prefill_args", "decode_args", "prefill_env", "decode_env", "nixl_progress_wait_ms"}
 PD_ROLES = ("prefill", "decode")
 # Set by serve for every engine; a configuration that sets them is refused.
 _SERVE_OWNED_ENV = (
@@ -321,6 +324,7 @@ def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
             f"{label}: args set --kv-transfer-config; a pd model's engines get theirs from serve "
             "(NixlConnector); remove it"
         )
+    wait_ms = _nixl_wait(pd.get("nixl_progress_wait_ms", 0), f"{label} nixl_progress_wait_ms")
     engines = []
     for role in PD_ROLES:
         extra = _args(pd.get(f"{role}_args", []), f"{label} {role}_args")
@@ -338,9 +342,19 @@ def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
                 env=tuple(env.items()),
                 role=role,
                 group=model.name,
+                nixl_progress_wait_ms=wait_ms,
             )
         )
     return tuple(engines)
+
+
+def _nixl_wait(value: Any, label: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WAIT_MS:
+        raise ServeConfigError(
+            f"{label} = {value!r}: use a whole number of milliseconds from 0 to {MAX_WAIT_MS}, "
+            "e.g. 5 (0: NIXL's own progress thread, which spins on a core)"
+        )
+    return value
 
 
 def has_option(args: Sequence[str], option: str) -> bool:
@@ -447,6 +461,11 @@ def _validate(config: ServeConfig) -> None:
                 "names must differ"
             )
         _check_source(m)
+        if config.static and m.nixl_progress_wait_ms:
+            raise ServeConfigError(
+                f"model {m.name!r}: nixl_progress_wait_ms needs elastickv in the engine, and "
+                '[device] mode = "static" runs native vLLM; remove it or use mode "elastic"'
+            )
         if m.min_kv < config.page_size:
             raise ServeConfigError(
                 f"model {m.name!r} min_kv = {format_bytes(m.min_kv)} is smaller than one page "

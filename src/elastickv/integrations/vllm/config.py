@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from elastickv.control.limits import parse_limit
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.kv_read_hold import DEFAULT_HOLD_S
+from elastickv.integrations.vllm.nixl_progress import MAX_WAIT_MS
 from elastickv.units import format_bytes, parse_size
 from elastickv.vmm import DEFAULT_PAGE_SIZE, host_granularity
 from elastickv.vmm.host import largest_reservation
@@ -59,6 +60,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "ELASTICKV_KV_READ_HOLD",
         "P/D: seconds a prefill engine keeps blocks its decoder has not read past vLLM's "
         "KV lease (default 300; 0: the lease only)",
+    ),
+    "nixl_progress_wait_ms": (
+        "ELASTICKV_NIXL_PROGRESS_WAIT_MS",
+        "P/D: NIXL's progress thread waits for events, at most this many ms, instead of "
+        "spinning on a core (default 0: NIXL's spin)",
     ),
 }
 KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values())
@@ -109,6 +115,7 @@ class ElasticConfig:
     metrics_port: int | None = None
     budget_percent: float | None = None
     kv_read_hold_s: float = DEFAULT_HOLD_S
+    nixl_progress_wait_ms: int = 0
     # What the user typed, by setting name, so errors echo it (not part of equality).
     typed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -153,6 +160,12 @@ class ElasticConfig:
             raise ElasticKVStartupError(
                 f"{self.shown('kv_read_hold_s', f'{self.kv_read_hold_s:g}')} must be a number "
                 f"of seconds from 0 to {MAX_READ_HOLD_S:g}, e.g. 300"
+            )
+        if not 0 <= self.nixl_progress_wait_ms <= MAX_WAIT_MS:
+            raise ElasticKVStartupError(
+                f"{self.shown('nixl_progress_wait_ms', str(self.nixl_progress_wait_ms))} must be a "
+                f"whole number of milliseconds from 0 to {MAX_WAIT_MS}, e.g. 5 (0: NIXL's "
+                "own spinning progress thread)"
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ElasticKVStartupError(
@@ -266,6 +279,7 @@ class ElasticConfig:
             ledger_dir=get("ledger_dir"),
             metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
             kv_read_hold_s=seconds("kv_read_hold_s", DEFAULT_HOLD_S),
+            nixl_progress_wait_ms=count("nixl_progress_wait_ms", 0),
             typed=typed,
         )
 

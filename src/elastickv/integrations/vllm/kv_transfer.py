@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from elastickv.integrations.vllm import kv_read_hold
+from elastickv.integrations.vllm import kv_read_hold, nixl_progress
 from elastickv.integrations.vllm.hooks import wrap_method
 
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
@@ -108,9 +108,13 @@ def install_nixl_guard(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> bool
     return True
 
 
-def _after_create(read_hold_s: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _around_create(
+    read_hold_s: float, nixl_wait_ms: int
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
+            if nixl_wait_ms:  # before the connector creates its NIXL agent
+                nixl_progress.install(nixl_wait_ms)
             connector = original(cls, *args, **kwargs)
             install_nixl_guard(read_hold_s)
             return connector
@@ -120,10 +124,13 @@ def _after_create(read_hold_s: float) -> Callable[[Callable[..., Any]], Callable
     return make
 
 
-def install(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> None:
+def install(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S, nixl_wait_ms: int = 0) -> None:
     """Check NIXL handshakes and hold unread blocks in every process that creates a NIXL
-    connector (idempotent)."""
+    connector, and give its NIXL agents a progress timeout of ``nixl_wait_ms`` if set
+    (:mod:`~elastickv.integrations.vllm.nixl_progress`; idempotent)."""
     if install_nixl_guard(read_hold_s):
+        if nixl_wait_ms:
+            nixl_progress.install(nixl_wait_ms)
         return
     module = sys.modules.get(FACTORY_MODULE)
     if module is None:
@@ -133,7 +140,9 @@ def install(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> None:
             module = importlib.import_module(FACTORY_MODULE)
         except ImportError:  # a vLLM build without KV connectors: nothing to check
             return
-    wrap_classmethod(module.KVConnectorFactory, "create_connector", _after_create(read_hold_s))
+    wrap_classmethod(
+        module.KVConnectorFactory, "create_connector", _around_create(read_hold_s, nixl_wait_ms)
+    )
 
 
 def wrap_classmethod(

@@ -62,7 +62,8 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
             worker_v032.install(config, policy_factory)
             engine_core.install(config, policy_factory)
             scheduler_hooks.install()
-            kv_transfer.install(config.kv_read_hold_s)  # NIXL: refuse other layouts, hold unread
+            # NIXL: refuse other layouts, hold unread blocks, the progress thread's wait.
+            kv_transfer.install(config.kv_read_hold_s, config.nixl_progress_wait_ms)
         elif contract is Contract.V028:
             from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028
 
