@@ -16,7 +16,8 @@ after the other, so each side has the machine's two cores to itself:
 
 The sides do not run side by side because an engine with the NIXL connector is not idle when
 it has no request on a CPU host: NIXL's UCX progress thread keeps a core busy (reported as
-``idle_cores_busy``), which would slow the baseline down.
+``idle_cores_busy``), which would slow the baseline down. ``--nixl-progress-wait-ms 5`` runs
+the pair with ``ELASTICKV_NIXL_PROGRESS_WAIT_MS=5``, which lets that thread sleep.
 
 Workload: ``--requests`` prompts of seeded random token ids, 100-300 tokens each (4 to 10
 blocks of 32: a transfer moves several whole blocks), greedy, ``ignore_eos``, ``--max-tokens``
@@ -329,6 +330,12 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="tokens per request (64)")
     parser.add_argument("--passes", type=int, default=None, help="timed passes per side (4)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the server logs")
+    parser.add_argument(
+        "--nixl-progress-wait-ms",
+        type=int,
+        default=0,
+        help="the pair's ELASTICKV_NIXL_PROGRESS_WAIT_MS (0: NIXL's spinning progress thread)",
+    )
     args = parser.parse_args()
     if vllm_version() is None:
         parser.error("vLLM is not installed in this interpreter; run it with the vLLM venv")
@@ -349,14 +356,23 @@ def main() -> int:
     ledger.mkdir(mode=0o700)
     elastic = {**ELASTIC_ENV, **ledger_env(ledger)}
     transfer = ["--kv-transfer-config", json.dumps(KV_TRANSFER)]
+    pair_env = {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": str(args.nixl_progress_wait_ms)}
     plans = {
         "one": ({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, SERVER_ARGS),
         "prefill": (
-            {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": "0",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                **pair_env,
+            },
             SERVER_ARGS + transfer,
         ),
         "decode": (
-            {"VLLM_CPU_OMP_THREADS_BIND": "1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            {
+                "VLLM_CPU_OMP_THREADS_BIND": "1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                **pair_env,
+            },
             SERVER_ARGS + transfer,
         ),
     }
@@ -412,6 +428,7 @@ def main() -> int:
         "server_args": SERVER_ARGS,
         "kv_transfer_config": KV_TRANSFER,
         "elastic_env": ELASTIC_ENV,
+        "pair_env": pair_env,
         "sides": sides,
         "ratios_pair_over_one": {
             "throughput": ratio("tokens_per_s"),

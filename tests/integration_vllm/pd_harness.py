@@ -149,8 +149,10 @@ def engine_env(side_port: int, core: int) -> dict[str, str]:
     }
 
 
-def idle_cpu_s(servers: list[Server], seconds: float = 2.0) -> float:
-    """CPU seconds the servers' processes use over ``seconds`` with no request in flight."""
+def idle_cpu_s(servers: list[Server], seconds: float = 2.0, settle_s: float = 3.0) -> float:
+    """CPU seconds the servers' processes use over ``seconds`` with no request in flight,
+    from ``settle_s`` after the last one (vLLM's TP workers keep polling their message queue
+    for a while after the last step, by design)."""
 
     def used() -> float:
         total = 0.0
@@ -163,6 +165,7 @@ def idle_cpu_s(servers: list[Server], seconds: float = 2.0) -> float:
                 total += times.user + times.system
         return total
 
+    time.sleep(settle_s)
     for server in servers:
         server.snapshot_descendants()
     before = used()
