@@ -31,9 +31,9 @@ V028 := $(VLLM_VENV_ROOT)/vllm-0.28/bin/python
 V032 := $(VLLM_VENV_ROOT)/vllm-0.32/bin/python
 # The suite runs as two streams at once. A test process keeps about one core busy (0.93 cores
 # measured over the 0.32 engine and server tests), so two streams fit the two cores CI has.
-# The P/D tests' engines let NIXL's progress threads sleep while idle
-# (ELASTICKV_NIXL_PROGRESS_WAIT_MS): NIXL's own spin, a core per worker, would starve the
-# other stream.
+# The P/D tests' engines let NIXL's progress threads sleep while idle (elastickv's default on
+# the CPU backend, ELASTICKV_NIXL_PROGRESS_WAIT_MS): NIXL's own spin, a core per worker, would
+# starve the other stream.
 # vLLM 0.32 tests that run in the second stream, after the project suite and vLLM 0.28's
 # tests, to balance the two.
 BESIDE_TESTS := $(addprefix tests/integration_vllm/test_vllm_plugin_v032_,\

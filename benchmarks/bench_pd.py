@@ -14,10 +14,10 @@ after the other, so each side has the machine's two cores to itself:
   prefiller's pool with NIXL and decodes. TTFT counts from sending the prefill request to the
   decode stream's first token: what a client of the router waits.
 
-The sides do not run side by side because an engine with the NIXL connector is not idle when
-it has no request on a CPU host: NIXL's UCX progress thread keeps a core busy (reported as
-``idle_cores_busy``), which would slow the baseline down. ``--nixl-progress-wait-ms 5`` runs
-the pair with ``ELASTICKV_NIXL_PROGRESS_WAIT_MS=5``, which lets that thread sleep.
+The sides do not run side by side, so that each has the cores to itself. An engine with the
+NIXL connector is not idle when it has no request unless its NIXL progress thread waits for
+events (elastickv's default on the CPU backend; ``--nixl-progress-wait-ms 0`` gives the pair
+NIXL's own spinning thread instead, a core per engine, reported as ``idle_cores_busy``).
 
 Workload: ``--requests`` prompts of seeded random token ids, 100-300 tokens each (4 to 10
 blocks of 32: a transfer moves several whole blocks), greedy, ``ignore_eos``, ``--max-tokens``
@@ -333,8 +333,9 @@ def main() -> int:
     parser.add_argument(
         "--nixl-progress-wait-ms",
         type=int,
-        default=0,
-        help="the pair's ELASTICKV_NIXL_PROGRESS_WAIT_MS (0: NIXL's spinning progress thread)",
+        default=None,
+        help="the pair's ELASTICKV_NIXL_PROGRESS_WAIT_MS (default: elastickv's, 5 ms on the "
+        "CPU backend; 0: NIXL's spinning progress thread)",
     )
     args = parser.parse_args()
     if vllm_version() is None:
@@ -356,7 +357,8 @@ def main() -> int:
     ledger.mkdir(mode=0o700)
     elastic = {**ELASTIC_ENV, **ledger_env(ledger)}
     transfer = ["--kv-transfer-config", json.dumps(KV_TRANSFER)]
-    pair_env = {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": str(args.nixl_progress_wait_ms)}
+    wait_ms = args.nixl_progress_wait_ms
+    pair_env = {} if wait_ms is None else {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": str(wait_ms)}
     plans = {
         "one": ({"VLLM_CPU_OMP_THREADS_BIND": "0-1"}, SERVER_ARGS),
         "prefill": (

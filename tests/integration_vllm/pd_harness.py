@@ -24,9 +24,6 @@ BLOCK = 32
 # one, so that the late-decoder step outlives it. elastickv holds unread blocks HOLD_S more.
 LEASE_S = 4
 HOLD_S = 60
-# NIXL's progress thread waits for events (at most 5 ms) instead of spinning: three spinning
-# workers (the TP=1 and TP=2 pair) would starve the engines on CI's two cores.
-NIXL_WAIT_MS = 5
 KV_TRANSFER = json.dumps(
     {
         "kv_connector": "NixlConnector",
@@ -143,7 +140,6 @@ def engine_env(side_port: int, core: int) -> dict[str, str]:
         **ELASTIC,
         "ELASTICKV_BUDGET": str(BUDGET),
         "ELASTICKV_KV_READ_HOLD": str(HOLD_S),
-        "ELASTICKV_NIXL_PROGRESS_WAIT_MS": str(NIXL_WAIT_MS),
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
         "VLLM_CPU_OMP_THREADS_BIND": str(core),
     }

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pd_harness import NIXL_WAIT_MS
 from plugin_harness import free_port, hermetic_env
 from serve_harness import (
     Reply,
@@ -78,8 +77,7 @@ def serve_config(path: Path, port: int, log_dir: Path) -> Path:
         f'[[model]]\nname = "{NAME}"\nmodel = "tiny-llama"\nargs = {json.dumps(ENGINE_ARGS)}\n'
         f'min_kv = {MIN_KV}\npinned = true\nrelease_after = "never"\nstop_after = "never"\n'
         'pd = { prefill_env = { VLLM_CPU_OMP_THREADS_BIND = "0" }, '
-        'decode_env = { VLLM_CPU_OMP_THREADS_BIND = "1" }, '
-        f"nixl_progress_wait_ms = {NIXL_WAIT_MS} }}\n"
+        'decode_env = { VLLM_CPU_OMP_THREADS_BIND = "1" } }\n'
     )
     return path
 

@@ -50,7 +50,10 @@ def test_every_setting_is_in_the_settings_table_of_the_docs() -> None:
 
 
 def test_nixl_progress_wait_takes_milliseconds() -> None:
-    assert ElasticConfig.from_env({}).nixl_progress_wait_ms == 0
+    assert ElasticConfig.from_env({}).nixl_progress_wait_ms is None  # the platform's default
+    assert (
+        ElasticConfig.from_env({"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "0"}).nixl_progress_wait_ms == 0
+    )
     env = {"ELASTICKV_NIXL_PROGRESS_WAIT_MS": "5"}
     assert ElasticConfig.from_env(env).nixl_progress_wait_ms == 5
 

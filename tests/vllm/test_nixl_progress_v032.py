@@ -1,5 +1,6 @@
-"""Real NIXL, created as vLLM 0.32 creates it: with ``ELASTICKV_NIXL_PROGRESS_WAIT_MS`` the
-progress thread of an idle agent sleeps; without it (NIXL's own) it spins on a core.
+"""Real NIXL, created as vLLM 0.32 creates it: with a progress wait (the default on vLLM's CPU
+backend, or ``ELASTICKV_NIXL_PROGRESS_WAIT_MS``) the progress thread of an idle agent sleeps;
+with 0 (NIXL's own) it spins on a core.
 
 Each agent lives in a child process of its own: an agent's thread runs until the process
 ends, so two in one process would add up.
@@ -20,7 +21,8 @@ CHILD = f"""
 import json, sys, time
 import psutil
 from elastickv.integrations.vllm import nixl_progress
-for wait_ms in map(int, sys.argv[1].split(",")):
+for wait in sys.argv[1].split(","):
+    wait_ms = nixl_progress.default_wait_ms() if wait == "default" else int(wait)
     assert nixl_progress.install(wait_ms), "vLLM found no NIXL"
 from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 # As vLLM's NIXL worker creates its agent (UCX, 4 threads, telemetry).
@@ -46,9 +48,9 @@ def idle_agent(waits: str) -> dict[str, float]:
 
 
 def test_an_idle_agent_sleeps_with_a_wait_and_spins_without() -> None:
-    waiting = idle_agent("5")
-    spinning = idle_agent("5,0")  # 0 puts NIXL's own spin back
-    assert (waiting["wait_ms"], spinning["wait_ms"]) == (5, 0)
+    waiting = idle_agent("default")  # this is vLLM's CPU backend: 5 ms
+    spinning = idle_agent("default,0")  # 0 puts NIXL's own spin back
+    assert (waiting["wait_ms"], spinning["wait_ms"]) == (nixl_progress.CPU_DEFAULT_WAIT_MS, 0)
     print(
         f"\nidle NIXL agent over {IDLE_S} s: {waiting['cpu_s']:.2f} s of CPU waiting, "
         f"{spinning['cpu_s']:.2f} s spinning"

@@ -35,8 +35,8 @@ that names the field, the value and what is accepted.
 
 A ``pd`` model is served under its name and runs as two engines, ``<name>/prefill`` and
 ``<name>/decode`` (each with the model's args, min_kv and max_kv, plus ``prefill_args`` /
-``decode_args`` and the ``*_env`` tables; ``nixl_progress_wait_ms`` lets their idle NIXL
-progress threads sleep); the router does the two-step exchange.
+``decode_args`` and the ``*_env`` tables; ``nixl_progress_wait_ms`` sets how their idle NIXL
+progress threads wait); the router does the two-step exchange.
 """
 
 from __future__ import annotations
@@ -85,7 +85,8 @@ class ModelConfig:
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the engine
     role: str | None = None  # "prefill" or "decode": one engine of a P/D pair
     group: str | None = None  # a P/D engine's pair: the name clients use
-    nixl_progress_wait_ms: int = 0  # a P/D engine: NIXL's progress thread waits (0: spins)
+    # A P/D engine: NIXL's progress thread's wait (0: it spins; None: the plugin's default).
+    nixl_progress_wait_ms: int | None = None
 
     @property
     def served_name(self) -> str:
@@ -324,7 +325,7 @@ def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
             f"{label}: args set --kv-transfer-config; a pd model's engines get theirs from serve "
             "(NixlConnector); remove it"
         )
-    wait_ms = _nixl_wait(pd.get("nixl_progress_wait_ms", 0), f"{label} nixl_progress_wait_ms")
+    wait_ms = _nixl_wait(pd.get("nixl_progress_wait_ms"), f"{label} nixl_progress_wait_ms")
     engines = []
     for role in PD_ROLES:
         extra = _args(pd.get(f"{role}_args", []), f"{label} {role}_args")
@@ -348,7 +349,9 @@ def _models(raw: Any, index: int) -> tuple[ModelConfig, ...]:
     return tuple(engines)
 
 
-def _nixl_wait(value: Any, label: str) -> int:
+def _nixl_wait(value: Any, label: str) -> int | None:
+    if value is None:
+        return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WAIT_MS:
         raise ServeConfigError(
             f"{label} = {value!r}: use a whole number of milliseconds from 0 to {MAX_WAIT_MS}, "
@@ -461,7 +464,7 @@ def _validate(config: ServeConfig) -> None:
                 "names must differ"
             )
         _check_source(m)
-        if config.static and m.nixl_progress_wait_ms:
+        if config.static and m.nixl_progress_wait_ms is not None:
             raise ServeConfigError(
                 f"model {m.name!r}: nixl_progress_wait_ms needs elastickv in the engine, and "
                 '[device] mode = "static" runs native vLLM; remove it or use mode "elastic"'

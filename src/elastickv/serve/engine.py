@@ -123,7 +123,7 @@ def build_launch(
         ELASTICKV_PAGE_SIZE=str(config.page_size),
         ELASTICKV_HOT_MAX_PAGES=str(config.hot_max_pages),
     )
-    if model.nixl_progress_wait_ms:
+    if model.nixl_progress_wait_ms is not None:
         env["ELASTICKV_NIXL_PROGRESS_WAIT_MS"] = str(model.nixl_progress_wait_ms)
     source = os.environ if base_env is None else base_env
     for passed in PASSED_SETTINGS:  # where the ledger is, and debugging aids

@@ -64,7 +64,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "nixl_progress_wait_ms": (
         "ELASTICKV_NIXL_PROGRESS_WAIT_MS",
         "P/D: NIXL's progress thread waits for events, at most this many ms, instead of "
-        "spinning on a core (default 0: NIXL's spin)",
+        "spinning on a core; 0: NIXL's spin (default 5 on vLLM's CPU backend, else 0)",
     ),
 }
 KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values())
@@ -115,7 +115,7 @@ class ElasticConfig:
     metrics_port: int | None = None
     budget_percent: float | None = None
     kv_read_hold_s: float = DEFAULT_HOLD_S
-    nixl_progress_wait_ms: int = 0
+    nixl_progress_wait_ms: int | None = None  # None: the platform's default
     # What the user typed, by setting name, so errors echo it (not part of equality).
     typed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -161,9 +161,10 @@ class ElasticConfig:
                 f"{self.shown('kv_read_hold_s', f'{self.kv_read_hold_s:g}')} must be a number "
                 f"of seconds from 0 to {MAX_READ_HOLD_S:g}, e.g. 300"
             )
-        if not 0 <= self.nixl_progress_wait_ms <= MAX_WAIT_MS:
+        wait_ms = self.nixl_progress_wait_ms
+        if wait_ms is not None and not 0 <= wait_ms <= MAX_WAIT_MS:
             raise ElasticKVStartupError(
-                f"{self.shown('nixl_progress_wait_ms', str(self.nixl_progress_wait_ms))} must be a "
+                f"{self.shown('nixl_progress_wait_ms', str(wait_ms))} must be a "
                 f"whole number of milliseconds from 0 to {MAX_WAIT_MS}, e.g. 5 (0: NIXL's "
                 "own spinning progress thread)"
             )
@@ -263,6 +264,7 @@ class ElasticConfig:
         strict_text = get("strict")
         check_text = get("check_commits")
         precommit_text = get("precommit")
+        wait_text = get("nixl_progress_wait_ms")
         return cls(
             page_size=size("page_size") or DEFAULT_PAGE_SIZE,
             hot_min_pages=count("hot_min_pages", 0),
@@ -279,7 +281,7 @@ class ElasticConfig:
             ledger_dir=get("ledger_dir"),
             metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
             kv_read_hold_s=seconds("kv_read_hold_s", DEFAULT_HOLD_S),
-            nixl_progress_wait_ms=count("nixl_progress_wait_ms", 0),
+            nixl_progress_wait_ms=None if wait_text is None else count("nixl_progress_wait_ms", 0),
             typed=typed,
         )
 

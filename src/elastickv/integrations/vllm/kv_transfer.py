@@ -109,12 +109,11 @@ def install_nixl_guard(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> bool
 
 
 def _around_create(
-    read_hold_s: float, nixl_wait_ms: int
+    read_hold_s: float, nixl_wait_ms: int | None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
-            if nixl_wait_ms:  # before the connector creates its NIXL agent
-                nixl_progress.install(nixl_wait_ms)
+            _set_nixl_wait(nixl_wait_ms)  # before the connector creates its NIXL agent
             connector = original(cls, *args, **kwargs)
             install_nixl_guard(read_hold_s)
             return connector
@@ -124,13 +123,21 @@ def _around_create(
     return make
 
 
-def install(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S, nixl_wait_ms: int = 0) -> None:
+def _set_nixl_wait(wait_ms: int | None) -> None:
+    """Give NIXL's progress thread ``wait_ms`` (None: the platform's default) if not 0."""
+    wait = nixl_progress.default_wait_ms() if wait_ms is None else wait_ms
+    if wait:
+        nixl_progress.install(wait)
+
+
+def install(
+    read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S, nixl_wait_ms: int | None = None
+) -> None:
     """Check NIXL handshakes and hold unread blocks in every process that creates a NIXL
-    connector, and give its NIXL agents a progress timeout of ``nixl_wait_ms`` if set
-    (:mod:`~elastickv.integrations.vllm.nixl_progress`; idempotent)."""
+    connector, and set its NIXL progress thread's wait (``None``: the platform's default;
+    :mod:`~elastickv.integrations.vllm.nixl_progress`); idempotent."""
     if install_nixl_guard(read_hold_s):
-        if nixl_wait_ms:
-            nixl_progress.install(nixl_wait_ms)
+        _set_nixl_wait(nixl_wait_ms)
         return
     module = sys.modules.get(FACTORY_MODULE)
     if module is None:
