@@ -7,11 +7,13 @@ compare against starts once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from functools import cache
 from pathlib import Path
@@ -61,6 +63,34 @@ def private_rpc_dir() -> Iterator[Path]:
         else:
             os.environ["VLLM_RPC_BASE_PATH"] = saved
         shutil.rmtree(path, ignore_errors=True)
+
+
+# Shared memory younger than this is left alone: an engine of another test session may have
+# created it an instant before mapping it.
+SHM_SETTLE_S = 10.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_private_shared_memory_left() -> Iterator[None]:
+    """vLLM leaves private shared memory in ``/dev/shm``: a TP engine's CPU communicator
+    segments on every stop, broadcast queues and semaphores when a test kills an engine. At
+    the end, remove those of this user that changed since the session began and that no live
+    process maps (vLLM's private names only, as ``elastickv serve`` does for its engines)."""
+    from elastickv.serve.leftovers import PRIVATE_SHM_NAME, SHM_DIR, private_shared_memory
+
+    began = time.time()
+    yield
+    import psutil
+
+    in_use = private_shared_memory(psutil.pids())
+    settled = time.time() - SHM_SETTLE_S
+    for path in SHM_DIR.iterdir():
+        if not PRIVATE_SHM_NAME.fullmatch(path.name) or path in in_use:
+            continue
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            if info.st_uid == os.getuid() and began <= info.st_mtime <= settled:
+                path.unlink()
 
 
 @pytest.fixture(scope="session")
