@@ -1,11 +1,11 @@
-"""Let NIXL's progress thread wait for events instead of spinning (opt-in, vLLM 0.32).
+"""Let NIXL's progress thread wait for events instead of spinning (vLLM 0.32, P/D).
 
 NIXL's UCX backend runs a progress thread in every process that holds an agent (each vLLM
 worker of a P/D engine). The thread sleeps in ``poll()`` on UCX's event descriptor, with a
 timeout as a fallback for a wake-up UCX misses. NIXL's Python wrapper, through which vLLM
 creates its agents, sets that timeout to 0, so the thread never sleeps: an idle P/D engine
-keeps one core busy per worker (measured on this project's CPU hosts: 0.99 of a core per
-worker, with no request in flight). On a host shared by several engines, that is CPU an idle
+keeps one core busy per worker (measured on a CPU host: 0.99 of a core per worker, with no
+request in flight). On a host shared by several engines, that is CPU an idle
 engine never gives back.
 
 ``ELASTICKV_NIXL_PROGRESS_WAIT_MS=N`` creates this process's NIXL agents with an ``N`` ms
@@ -20,8 +20,11 @@ on a GPU host with cores to spare, busy polling is what NIXL's users expect.
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 NIXL_UTILS_MODULE = "vllm.distributed.nixl_utils"
 MAX_WAIT_MS = 1000  # beyond a second, a missed wake-up stalls a transfer visibly
@@ -37,7 +40,7 @@ class _BindingsWithWait:
         self.wait_ms = wait_ms
 
     def nixlAgent(self, name: str, config: Any) -> Any:
-        config.pthrDelay = self.wait_ms * 1000  # microseconds; NIXL rounds up to 1 ms
+        config.pthrDelay = self.wait_ms * 1000  # in µs; NIXL polls in whole ms
         return self.bindings.nixlAgent(name, config)
 
     def __getattr__(self, name: str) -> Any:
@@ -72,6 +75,11 @@ def install(wait_ms: int) -> bool:
         bindings.wait_ms = wait_ms
     elif wait_ms:
         setattr(api, "nixlBind", _BindingsWithWait(bindings, wait_ms))  # noqa: B010
+        logger.info(
+            "elastickv: NIXL's progress thread waits for events, at most %d ms, instead of "
+            "spinning (ELASTICKV_NIXL_PROGRESS_WAIT_MS; 0 keeps NIXL's spin)",
+            wait_ms,
+        )
     return True
 
 
