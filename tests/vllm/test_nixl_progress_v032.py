@@ -21,9 +21,9 @@ CHILD = f"""
 import json, sys, time
 import psutil
 from elastickv.integrations.vllm import nixl_progress
-for wait in sys.argv[1].split(","):
-    wait_ms = nixl_progress.default_wait_ms() if wait == "default" else int(wait)
-    assert nixl_progress.install(wait_ms), "vLLM found no NIXL"
+for wait in sys.argv[1].split(","):  # as the plugin sets it up: before vLLM loads NIXL
+    assert nixl_progress.apply_when_loaded(None if wait == "default" else int(wait))
+assert "nixl" not in sys.modules  # nothing of NIXL imported until vLLM loads it
 from vllm.distributed.nixl_utils import NixlWrapper, nixl_agent_config
 # As vLLM's NIXL worker creates its agent (UCX, 4 threads, telemetry).
 agent = NixlWrapper("probe", nixl_agent_config(num_threads=4, capture_telemetry=True))
@@ -37,8 +37,8 @@ print(json.dumps({{"cpu_s": cpu_s, "wait_ms": nixl_progress.installed_wait_ms()}
 
 
 def idle_agent(waits: str) -> dict[str, float]:
-    """CPU seconds an idle agent's process uses over ``IDLE_S``, after ``install`` of each
-    of ``waits`` in turn."""
+    """CPU seconds an idle agent's process uses over ``IDLE_S``, after ``apply_when_loaded``
+    of each of ``waits`` in turn."""
     done = subprocess.run(
         [sys.executable, "-c", CHILD, waits], capture_output=True, text=True, timeout=120
     )
@@ -49,7 +49,7 @@ def idle_agent(waits: str) -> dict[str, float]:
 
 def test_an_idle_agent_sleeps_with_a_wait_and_spins_without() -> None:
     waiting = idle_agent("default")  # this is vLLM's CPU backend: 5 ms
-    spinning = idle_agent("default,0")  # 0 puts NIXL's own spin back
+    spinning = idle_agent("default,0")  # the last setting wins: 0, NIXL's own spin
     assert (waiting["wait_ms"], spinning["wait_ms"]) == (nixl_progress.CPU_DEFAULT_WAIT_MS, 0)
     print(
         f"\nidle NIXL agent over {IDLE_S} s: {waiting['cpu_s']:.2f} s of CPU waiting, "

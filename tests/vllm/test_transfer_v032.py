@@ -299,7 +299,7 @@ def test_nixl_guard_installs_through_the_connector_factory() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     kv_transfer.wrap_classmethod(
-        KVConnectorFactory, "create_connector", kv_transfer._around_create(60.0, 0)
+        KVConnectorFactory, "create_connector", kv_transfer._after_create(60.0)
     )
     kv_transfer.install()
     descriptor = KVConnectorFactory.__dict__["create_connector"]

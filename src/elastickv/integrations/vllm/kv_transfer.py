@@ -108,12 +108,9 @@ def install_nixl_guard(read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S) -> bool
     return True
 
 
-def _around_create(
-    read_hold_s: float, nixl_wait_ms: int | None
-) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _after_create(read_hold_s: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_connector(cls: type, *args: Any, **kwargs: Any) -> Any:
-            _set_nixl_wait(nixl_wait_ms)  # before the connector creates its NIXL agent
             connector = original(cls, *args, **kwargs)
             install_nixl_guard(read_hold_s)
             return connector
@@ -123,21 +120,14 @@ def _around_create(
     return make
 
 
-def _set_nixl_wait(wait_ms: int | None) -> None:
-    """Give NIXL's progress thread ``wait_ms`` (None: the platform's default) if not 0."""
-    wait = nixl_progress.default_wait_ms() if wait_ms is None else wait_ms
-    if wait:
-        nixl_progress.install(wait)
-
-
 def install(
     read_hold_s: float = kv_read_hold.DEFAULT_HOLD_S, nixl_wait_ms: int | None = None
 ) -> None:
     """Check NIXL handshakes and hold unread blocks in every process that creates a NIXL
     connector, and set its NIXL progress thread's wait (``None``: the platform's default;
     :mod:`~elastickv.integrations.vllm.nixl_progress`); idempotent."""
+    nixl_progress.apply_when_loaded(nixl_wait_ms)
     if install_nixl_guard(read_hold_s):
-        _set_nixl_wait(nixl_wait_ms)
         return
     module = sys.modules.get(FACTORY_MODULE)
     if module is None:
@@ -147,9 +137,7 @@ def install(
             module = importlib.import_module(FACTORY_MODULE)
         except ImportError:  # a vLLM build without KV connectors: nothing to check
             return
-    wrap_classmethod(
-        module.KVConnectorFactory, "create_connector", _around_create(read_hold_s, nixl_wait_ms)
-    )
+    wrap_classmethod(module.KVConnectorFactory, "create_connector", _after_create(read_hold_s))
 
 
 def wrap_classmethod(

@@ -57,6 +57,38 @@ def default_wait_ms() -> int:
     return CPU_DEFAULT_WAIT_MS if platforms.current_platform.is_cpu() else 0
 
 
+def apply_when_loaded(wait_ms: int | None) -> bool:
+    """Give the NIXL agents of this process a progress wait of ``wait_ms`` (None:
+    :func:`default_wait_ms`) from the moment vLLM loads NIXL, or now if it has; whether vLLM's
+    NIXL loader was found. Nothing of NIXL is imported here: an engine without a NIXL
+    connector never loads it."""
+    try:
+        utils = importlib.import_module(NIXL_UTILS_MODULE)
+    except ImportError:
+        return False
+
+    def apply() -> None:
+        install(default_wait_ms() if wait_ms is None else wait_ms)
+
+    if "NixlWrapper" in vars(utils):  # vLLM has loaded NIXL already
+        apply()
+        return True
+    load = getattr(utils, "_load_nixl_attr", None)
+    if load is None:
+        return False
+    load = getattr(load, "__elastickv_original__", load)
+
+    def load_nixl_attr(name: str) -> Any:
+        value = load(name)
+        if name == "NixlWrapper" and value is not None:
+            apply()
+        return value
+
+    setattr(load_nixl_attr, "__elastickv_original__", load)  # noqa: B010
+    setattr(utils, "_load_nixl_attr", load_nixl_attr)  # noqa: B010
+    return True
+
+
 def install(wait_ms: int) -> bool:
     """Create this process's later NIXL agents with a ``wait_ms`` progress timeout
     (idempotent; 0 restores NIXL's own); whether NIXL was found."""
