@@ -69,7 +69,6 @@ from elastickv.bench.vllm_server import (
     HOST,
     Server,
     cpu_seconds,
-    free_port,
     hermetic_env,
     ledger_env,
     scrape_metrics,
@@ -78,6 +77,7 @@ from elastickv.bench.vllm_server import (
     vllm_version,
 )
 from elastickv.bench.workloads import Arrival, batch
+from elastickv.ports import free_port
 from elastickv.serve.pd import PREFILL_TRANSFER_PARAMS
 
 BLOCK = 32

@@ -44,7 +44,8 @@ from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
-from elastickv.serve.engine import free_port, stop_session
+from elastickv.ports import free_port
+from elastickv.serve.engine import stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 

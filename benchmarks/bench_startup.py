@@ -32,7 +32,8 @@ from typing import Any
 import psutil
 
 from elastickv.models import ensure_tiny_model
-from elastickv.serve.engine import free_port, session_processes, stop_session
+from elastickv.ports import free_port
+from elastickv.serve.engine import session_processes, stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 

@@ -122,7 +122,9 @@ def runs(cache_root: Path) -> EngineRuns:
 def servers(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """A native and an elastic OpenAI server run, one after the other (never two vLLM process
     trees at once), shared by the server tests and the validation table."""
-    from plugin_harness import ELASTIC, free_port, serve
+    from plugin_harness import ELASTIC, serve
+
+    from elastickv.ports import free_port
 
     logs = tmp_path_factory.mktemp("server-logs")
     result = {

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+from elastickv.ports import free_port
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 PAGE = 32 << 10
@@ -110,13 +111,6 @@ def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(documents[-1])
     result["wall_s"] = round(time.monotonic() - engine.started, 1)
     return result
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass

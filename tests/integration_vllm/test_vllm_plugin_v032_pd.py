@@ -47,7 +47,9 @@ from pd_harness import (
     scramble_pool,
     token_ids,
 )
-from plugin_harness import free_port, ledger_list, openai_server, terminate
+from plugin_harness import ledger_list, openai_server, terminate
+
+from elastickv.ports import free_port
 
 MISMATCH = "block size: this engine 64, remote engine 32"
 HELD = "is running out before its decoder read the blocks"

@@ -30,8 +30,9 @@ from typing import Any
 
 import pytest
 from pd_harness import BLOCK, MAX_TOKENS, engine_env, prompts, scramble_pool_of
-from plugin_harness import PAGE, free_port, hermetic_env
+from plugin_harness import PAGE, hermetic_env
 
+from elastickv.ports import free_port
 from elastickv.serve.pd import PREFILL_TRANSFER_PARAMS
 
 pytestmark = pytest.mark.vllm

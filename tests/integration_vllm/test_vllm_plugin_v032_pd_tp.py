@@ -27,7 +27,9 @@ from pd_harness import (
     prompts,
     token_ids,
 )
-from plugin_harness import TP, TP_BIND, free_port, ledger_list, openai_server, terminate
+from plugin_harness import TP, TP_BIND, ledger_list, openai_server, terminate
+
+from elastickv.ports import free_port
 
 PROMPTS = prompts(8, "Across")
 IDLE_S = 2.0

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_harness import free_port, hermetic_env, pool_fds
+from plugin_harness import hermetic_env, pool_fds
 from serve_harness import (
     LedgerSampler,
     Reply,
@@ -44,6 +44,7 @@ from serve_harness import (
 
 from elastickv.control import open_ledger
 from elastickv.models import ensure_tiny_model
+from elastickv.ports import free_port
 
 pytestmark = pytest.mark.vllm
 

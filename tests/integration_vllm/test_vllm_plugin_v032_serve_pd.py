@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_harness import free_port, hermetic_env
+from plugin_harness import hermetic_env
 from serve_harness import (
     Reply,
     chat,
@@ -40,6 +40,7 @@ from serve_harness import (
 )
 
 from elastickv.control import open_ledger
+from elastickv.ports import free_port
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,11 @@ from pathlib import Path
 
 import psutil
 
+from elastickv.ports import free_port
+
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def ledger_env(ledger_dir: Path) -> dict[str, str]:

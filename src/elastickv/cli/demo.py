@@ -70,7 +70,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.peak < 1:
         raise UserError(f"--peak must be at least 1, got {args.peak}")
     console = output_console()
-    from elastickv.serve.engine import free_port
+    from elastickv.ports import free_port
 
     with tempfile.TemporaryDirectory(prefix="elastickv-demo-") as tmp:
         work = Path(tmp)

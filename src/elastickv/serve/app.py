@@ -22,9 +22,10 @@ import aiohttp
 from aiohttp import web
 
 from elastickv.control import Ledger, LedgerError, open_ledger
+from elastickv.ports import free_port
 from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
 from elastickv.serve.config import ModelConfig, ServeConfig
-from elastickv.serve.engine import EngineStartError, build_launch, free_port, log_path
+from elastickv.serve.engine import EngineStartError, build_launch, log_path
 from elastickv.serve.leftovers import remove_stale_rpc_dirs
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel

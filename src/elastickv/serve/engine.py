@@ -15,7 +15,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from elastickv.ports import free_port
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
 from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory, remove_leftovers
 
@@ -50,13 +50,6 @@ _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy; the message carries its log's tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)
