@@ -279,7 +279,7 @@ def pool_step(
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.request import RequestStatus
 
-        from elastickv.integrations.vllm.block_pool import ElasticBlockPool, admission_headroom
+        from elastickv.integrations.vllm.block_pool import ElasticBlockPool
         from elastickv.integrations.vllm.config import ElasticConfig
         from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, local_policy
     except Exception:
@@ -313,7 +313,10 @@ def pool_step(
                         raise RuntimeError("the pool is too small for the step")
                     got: list[Any] = pool.get_new_blocks(n)
                     return got
-                pool.open_window(admission_headroom(manager, request))
+                if request.status is RequestStatus.RUNNING:  # as the window hook does
+                    pool.open_window(0)
+                else:
+                    pool.open_admission(manager, request)
                 try:
                     pool.expect(n, ([],))
                     if pool.get_num_free_blocks() < n:

@@ -64,7 +64,7 @@ ENTRY_POINTS = [
     ("model forward (execute_model)", "", "execute_model"),
 ]
 HOOK_FILES = ("elastickv/integrations/vllm/scheduler_hooks.py",)
-FORWARDER_FILE = "<elastickv forwarder"  # hooks.forward_positionally's generated code
+FORWARDER_FILE = "<elastickv hook of"  # hooks.compile_hook's generated code
 SCHEDULER_MODULES = ("vllm/v1/core/", "elastickv/")
 
 

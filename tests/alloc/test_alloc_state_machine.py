@@ -163,14 +163,25 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def free_invalid(self, data: st.DataObject) -> None:
-        live = self.alloc.live_blocks()
-        candidates = [b for b in range(self.geometry.num_blocks) if b not in live]
-        if not candidates:
-            return
-        block = data.draw(st.sampled_from(candidates))
+        """A free with at least one block that is not live (a free one, the null block, an id
+        out of range) or a live one listed twice, among live ones, in any order: it raises
+        and nothing changes."""
+        live = sorted(self.alloc.live_blocks())
+        not_live = [b for b in range(self.geometry.num_blocks) if b not in set(live)]
+        bad: st.SearchStrategy[int | tuple[int, int]] = st.sampled_from(
+            [*not_live, -1, self.geometry.num_blocks, 10**9]
+        )
+        if live:
+            bad = bad | st.sampled_from(live).map(lambda b: (b, b))  # repeated
+        chosen = data.draw(st.lists(bad, min_size=1, max_size=3))
+        good = data.draw(st.lists(st.sampled_from(live), max_size=6, unique=True)) if live else []
+        blocks = [*good]
+        for item in chosen:
+            blocks.extend(item if isinstance(item, tuple) else (item,))
+        blocks = data.draw(st.permutations(blocks))
         before = self.snapshot()
         with pytest.raises(ValueError):
-            self.alloc.free([block, *sorted(live)[:1]])
+            self.alloc.free(blocks)
         assert self.snapshot() == before
 
     @rule(n=st.integers(1, 14), after=st.integers(0, 3))

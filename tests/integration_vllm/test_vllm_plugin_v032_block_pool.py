@@ -275,6 +275,69 @@ def test_a_refusal_by_the_limit_stands_until_something_changes(
         made.close_elastic()
 
 
+def test_a_refused_admission_is_refused_again_without_counting_its_headroom(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine at its limit tries the head of its queue on every step. The headroom (a
+    pass over every request holding blocks) is counted once for it: while that refusal
+    stands, the same request is refused again without a count, another request is counted,
+    and once a block changes hands the first one is counted again."""
+    from types import SimpleNamespace
+
+    from vllm.v1.request import RequestStatus
+
+    from elastickv.integrations.vllm import block_pool
+
+    counted: list[str] = []
+    original = block_pool.admission_headroom
+
+    def counting(manager: Any, request: Any) -> int:
+        counted.append(request.request_id)
+        return original(manager, request)
+
+    monkeypatch.setattr(block_pool, "admission_headroom", counting)
+    made = make_pool(32, 5)
+    try:
+        held = allocate(made, 2, [])  # the null block's page + 2 of 5
+        assert held is not None
+        holders = {"a": [object()], "b": [object()]}  # headroom 2 for any newcomer
+        manager = SimpleNamespace(
+            coordinator=SimpleNamespace(
+                single_type_managers=[SimpleNamespace(req_to_blocks=holders)]
+            )
+        )
+
+        def admit(request_id: str, num: int) -> list[object] | None:
+            request = requests[request_id]
+            made.open_admission(manager, request)
+            try:
+                made.expect(num, ([],))
+                if made.get_num_free_blocks() < num:
+                    return None
+                got: list[object] = made.get_new_blocks(num)
+                return got
+            finally:
+                made.close_window()
+
+        requests = {
+            name: SimpleNamespace(status=RequestStatus.WAITING, request_id=name)
+            for name in ("w", "x")
+        }
+        assert admit("w", 1) is None  # 1 + 2 of headroom: past the 2 pages left
+        assert admit("w", 1) is None and admit("w", 2) is None  # the refusal stands
+        assert counted == ["w"]
+        assert admit("x", 1) is None  # another request: counted
+        assert admit("x", 1) is None
+        assert counted == ["w", "x"]
+        made.free_blocks(held[:1])  # a block changed hands: the refusal ends
+        holders.pop("b")  # headroom 1: 1 + 1 fits in the 3 pages left
+        assert admit("w", 1) is not None
+        assert counted == ["w", "x", "w"]
+        assert made.elastic_stats()["stash_blocks"] == 0
+    finally:
+        made.close_elastic()
+
+
 def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:
     """Without pre-commit, an engine with requests waiting keeps the pages a finished request
     frees (the next step takes them again) instead of releasing them and committing them

@@ -1,5 +1,7 @@
-"""``forward_positionally``: a hook with the hooked method's own parameters hands every
-argument, however it was passed, to the hook in the method's order, with its defaults."""
+"""``compile_hook``: a hook compiled with the hooked method's own parameters hands every
+argument, however it was passed, to the method in its order, with its defaults, and reads the
+parameters it names; a method it cannot mirror, or whose parameters clash with the hook's
+names, gets None (the generic wrapper then does)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastickv.integrations.vllm.hooks import forward_positionally
+from elastickv.integrations.vllm.hooks import compile_hook
 
 NAMES = ["request_id", "num_tokens", "blocks", "total", "cap", "prefill_end"]
+# Calls the method and records what it got and what the hook read by name.
+RECORDING_HOOK = """
+def {name}({signature}):
+    result = original({arguments})
+    seen.append((self, result))
+    return "done"
+"""
 
 
 @st.composite
@@ -45,22 +54,39 @@ def calls(draw: st.DrawFn) -> tuple[Any, list[Any], dict[str, Any]]:
 
 
 @given(calls())
-def test_the_hook_gets_every_argument_in_order(call: tuple[Any, list[Any], dict[str, Any]]) -> None:
+def test_the_method_gets_every_argument_in_order(
+    call: tuple[Any, list[Any], dict[str, Any]],
+) -> None:
     method, args, kwargs = call
     seen: list[tuple[Any, tuple[Any, ...]]] = []
 
-    def hook(self: Any, got: tuple[Any, ...]) -> str:
-        seen.append((self, got))
-        return "done"
+    def original(self: Any, *got: Any) -> tuple[Any, ...]:
+        return got
 
-    forwarder = forward_positionally(method, hook)
-    assert forwarder is not None
+    original.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+    original.__name__ = method.__name__
+    hook = compile_hook(original, RECORDING_HOOK, {"seen": seen}, uses=("self",))
+    assert hook is not None
     owner = object()
-    assert forwarder(owner, *args, **kwargs) == "done"
+    assert hook(owner, *args, **kwargs) == "done"
     bound = inspect.signature(method).bind(owner, *args, **kwargs)
     bound.apply_defaults()
     assert seen == [(owner, tuple(bound.arguments.values())[1:])]
-    assert inspect.signature(forwarder) == inspect.signature(method)
+    assert inspect.signature(hook) == inspect.signature(method)
+
+
+def test_the_hook_reads_the_parameters_it_uses() -> None:
+    def method(self: Any, request: Any, num: int = 3) -> int:
+        return num * 2
+
+    template = """
+def {name}({signature}):
+    return (original({arguments}), request, num)
+"""
+    hook = compile_hook(method, template, {}, uses=("request", "num"))
+    assert hook is not None
+    assert hook(object(), "r") == (6, "r", 3)
+    assert hook(object(), num=5, request="q") == (10, "q", 5)
 
 
 def test_methods_it_cannot_mirror_get_none() -> None:
@@ -68,18 +94,27 @@ def test_methods_it_cannot_mirror_get_none() -> None:
 
     def keyword_only(self: Any, *, request: Any) -> None: ...
 
-    def clashing(self: Any, impl: Any) -> None: ...
+    def clashing_with_a_name(self: Any, seen: Any) -> None: ...  # the namespace's
 
-    for method in (star, keyword_only, clashing):
-        assert forward_positionally(method, lambda self, args: None) is None
+    def clashing_with_a_local(self: Any, result: Any) -> None: ...  # the body's
+
+    def clashing_with_the_original(self: Any, original: Any) -> None: ...
+
+    for method in (star, keyword_only, clashing_with_a_name, clashing_with_a_local):
+        assert compile_hook(method, RECORDING_HOOK, {"seen": []}, uses=("self",)) is None
+    assert compile_hook(clashing_with_the_original, RECORDING_HOOK, {"seen": []}) is None
+
+    def without_request(self: Any, num: int) -> None: ...  # the hook reads ``request``
+
+    assert compile_hook(without_request, RECORDING_HOOK, {"seen": []}, uses=("request",)) is None
 
 
 def test_a_wrong_call_fails_like_the_method() -> None:
     def method(self: Any, request: Any, num: int = 0) -> None: ...
 
-    forwarder = forward_positionally(method, lambda self, args: args)
-    assert forwarder is not None
+    hook = compile_hook(method, RECORDING_HOOK, {"seen": []}, uses=("self",))
+    assert hook is not None
     with pytest.raises(TypeError, match="request"):
-        forwarder(object())
+        hook(object())
     with pytest.raises(TypeError, match="unexpected keyword argument 'other'"):
-        forwarder(object(), 1, other=2)
+        hook(object(), 1, other=2)

@@ -20,12 +20,13 @@ Every state change happens under one lock, in three phases for a growing allocat
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, NoReturn, Self
 
 from elastickv.alloc.pagemap import PageMap
 from elastickv.alloc.policy import CapacityPolicy, Unlimited
@@ -128,6 +129,22 @@ def null_floor_bytes(page_map: PageMap, bytes_per_page: int | None = None) -> in
     ranks)."""
     per_page = page_map.page_size if bytes_per_page is None else bytes_per_page
     return len(page_map.slab_pages[page_map.block_slab[NULL_BLOCK]]) * per_page
+
+
+def _as_block_id(value: object) -> int | None:
+    """``value`` as an integer block id (Python or NumPy integers), or None."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _sorted(values: Collection[object]) -> list[object]:
+    """``values`` in order where they can be ordered (for an error message)."""
+    try:
+        return sorted(values)  # type: ignore[type-var]
+    except TypeError:
+        return list(values)
 
 
 class BlockAllocator:
@@ -565,14 +582,13 @@ class BlockAllocator:
                 return
             else:
                 slab_of = self._block_slab
-                if not live.issuperset(blocks):
+                if self._limit != self._num_blocks and not live.issuperset(blocks):
                     bad = sorted(set(blocks) - live)
                     raise ValueError(f"cannot free blocks that are not live: {bad}")
                 before = len(live)
-                live.difference_update(blocks)
+                live.difference_update(blocks)  # liveness checked by the count, at no cost
                 if before - len(live) != len(blocks):
-                    live.update(blocks)
-                    raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
+                    self._refuse_free(blocks)
                 if isinstance(blocks, list) and slab_of[blocks[0]] != slab_of[blocks[-1]]:
                     # Several slabs for sure (a request's prompt and decode blocks, freed in
                     # reverse): skip the one-slab test.
@@ -634,6 +650,30 @@ class BlockAllocator:
             token.append(None)
             if lock.waiters:
                 lock.wake()
+
+    def _refuse_free(self, blocks: Collection[int]) -> NoReturn:
+        """``free`` removed fewer blocks from ``_live`` than it was given: put back the ones
+        that were live and raise. Which were is read from the other books, which the failed
+        free did not touch: with every block usable (``free`` checks liveness up front
+        otherwise), a valid block is exactly one of live, on its slab's free list, or the
+        null block. Only this error path pays for that; the common path tests liveness by
+        the count ``difference_update`` removed."""
+        unique = set(blocks)
+        was_live = {b for b in map(_as_block_id, unique) if b is not None and self._held(b)}
+        self._live.update(was_live)
+        bad = unique - was_live
+        if bad:
+            raise ValueError(f"cannot free blocks that are not live: {_sorted(bad)}")
+        raise ValueError(f"cannot free repeated blocks: {sorted(blocks)}")
+
+    def _held(self, block: int) -> bool:
+        """Whether a valid block id is neither free nor the null block (see
+        :meth:`_refuse_free`)."""
+        return (
+            0 <= block < self._num_blocks
+            and block != self._null
+            and block not in self._free[self._block_slab[block]]
+        )
 
     def _free_slabs(self, blocks: Collection[int]) -> None:
         """Put back live blocks (already removed from ``_live``) that lie in several slabs,

@@ -83,6 +83,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._hits: frozenset[int] = _NO_HITS  # prefix hits the open window will touch
         self._in_window = False
         self._headroom = 0
+        # The waiting request being admitted in the open window and its manager, whose
+        # headroom is counted only when the answer depends on it (see :meth:`open_admission`).
+        self._admitting: Any = None
+        self._admitting_manager: Any = None
         self._next_limit_check = 0.0
         # Block ids freed while a batch is open (see :meth:`begin_free_batch`); None: none open.
         self._free_batch: list[int] | None = None
@@ -94,6 +98,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refused_blocks = 0
         self._refused_until = 0.0
         self._refused_state = (-1, -1, -1)
+        # The admission that refusal was for (None: a running request's growth) and the
+        # headroom counted for it.
+        self._refused_request: Any = None
+        self._refused_headroom = 0
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         log_startup(store, self.allocator, self.registration)
@@ -114,11 +122,24 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._in_window = True
         self._headroom = headroom
 
+    def open_admission(self, manager: Any, request: Any) -> None:
+        """:meth:`open_window` for admitting the waiting ``request``, its headroom
+        (:func:`admission_headroom` with ``manager``) counted only if the answer depends on
+        it. An engine at its limit is refused the head of its queue on every step, and
+        counting the headroom is a pass over every request holding blocks: while the last
+        refusal of that same request stands, it is refused again without one."""
+        self._in_window = True
+        self._headroom = -1  # not counted yet
+        self._admitting = request
+        self._admitting_manager = manager
+
     def close_window(self) -> None:
         """The call ended: blocks backed for it and not used go back."""
         self._in_window = False
         self._headroom = 0
         self._need = None
+        if self._admitting is not None:
+            self._admitting = self._admitting_manager = None
         if self._hits:
             self._hits = _NO_HITS
         if self._stash:
@@ -149,35 +170,52 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             # running request in every step. (A headroom cannot refuse 0 blocks: vLLM's
             # test is ``need > free``.)
             return free
+        short = max(0, need - len(self._stash))
+        headroom = self._headroom
+        if headroom < 0:  # an admission (see :meth:`open_admission`)
+            request = self._admitting
+            if request is self._refused_request and self._known_refusal(
+                short + self._refused_headroom
+            ):
+                # The same request refused again. While a refusal stands no block changed
+                # hands, so its headroom can only have grown: it would be refused anyway.
+                self._refusals.refused(need + self._refused_headroom, self._committed_bytes)
+                return 0
+            headroom = self._headroom = admission_headroom(self._admitting_manager, request)
         # The headroom never asks for more than vLLM's own free blocks could give after this
         # admission: where those are what is short (the limit is not), admission is native
         # vLLM's, which admits what fits now and preempts later. It is checked before any
         # block is backed: an engine at its limit refuses the head of its queue on every
         # step, and backing blocks only to hand them back would commit and release pages.
-        headroom = min(self._headroom, free - need)
-        wanted = max(0, need - len(self._stash)) + max(0, headroom)
+        headroom = max(0, min(headroom, free - need))
+        wanted = short + headroom
         if self._known_refusal(wanted):
-            self._refusals.refused(need + max(0, headroom), self._committed_bytes)
-            return 0 if headroom > 0 else len(self._stash)
-        if headroom > 0 and not self._room_for(wanted):
-            self._refused(wanted, need + headroom)
+            self._refusals.refused(need + headroom, self._committed_bytes)
+            if self._admitting is not None:  # its next try needs no count either
+                self._refused_request, self._refused_headroom = self._admitting, headroom
+            return 0 if headroom else len(self._stash)
+        if headroom and not self._room_for(wanted):
+            self._refused(wanted, need + headroom, headroom)
             return 0  # admitting it would leave the running requests no room to grow
         if self._back(need):
             return free
-        self._refused(wanted, need)
+        self._refused(wanted, need, headroom)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
 
     def _state(self) -> tuple[int, int, int]:
         allocator = self.allocator
         return allocator.warm_free_blocks, allocator.num_free_blocks, len(self._parked)
 
-    def _refused(self, blocks: int, asked: int) -> None:
-        """The limit refused ``blocks`` more (``asked`` in all, for the log): the refusal
-        stands (see :meth:`_known_refusal`)."""
+    def _refused(self, blocks: int, asked: int, headroom: int) -> None:
+        """The limit refused ``blocks`` more (``asked`` in all, for the log; ``headroom`` of
+        them for the admission being refused): the refusal stands (see
+        :meth:`_known_refusal`)."""
         self._refusals.refused(asked, self._committed_bytes)
         self._refused_blocks = blocks
         self._refused_until = time.monotonic() + REFUSAL_RECHECK_S
         self._refused_state = self._state()
+        self._refused_request = self._admitting
+        self._refused_headroom = headroom
 
     def _known_refusal(self, blocks: int) -> bool:
         """Whether ``blocks`` would be refused as the last refusal was: at least as many

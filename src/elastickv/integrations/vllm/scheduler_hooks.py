@@ -11,8 +11,8 @@ Three touch points in ``vllm.v1.core``:
   waiting request also needs one block of headroom per running request whose next token
   needs a new block (the pool reads the scheduler's requests, given it every step).
 
-Both run for every running request in every step, so they forward vLLM's arguments with the
-methods' own signatures (:func:`~elastickv.integrations.vllm.hooks.forward_positionally`).
+Both run for every running request in every step, so each is compiled with the hooked
+method's own signature (:func:`~elastickv.integrations.vllm.hooks.compile_hook`).
 
 And three on ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the
 engine's live ledger limit (:meth:`ElasticBlockPool.sync_limit`) and afterwards forecasts the
@@ -28,10 +28,39 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from elastickv.integrations.vllm.hooks import forward_positionally, wrap_method
+from elastickv.integrations.vllm.hooks import compile_hook, wrap_method
 
 if TYPE_CHECKING:
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+
+# The two hooks on every running request's path in every step, compiled with the hooked
+# method's own signature (:func:`~elastickv.integrations.vllm.hooks.compile_hook`).
+EXPECT_HOOK = """
+def {name}({signature}):
+    num = original({arguments})
+    # 0 (most calls: running requests between blocks) needs no backing, and the pool
+    # answers vLLM's own free count when it was told nothing.
+    if num:
+        pool = self.block_pool
+        if isinstance(pool, ElasticBlockPool):
+            pool.expect(num, new_computed_blocks)
+    return num
+"""
+WINDOW_HOOK = """
+def {name}({signature}):
+    pool = self.block_pool
+    if not isinstance(pool, ElasticBlockPool):
+        return original({arguments})
+    if request.status is running_status:  # a running request's growth: no headroom
+        pool.open_window(0)
+    else:
+        pool.open_admission(self, request)
+    try:
+        return original({arguments})
+    finally:
+        pool.close_window()
+"""
 
 
 def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
@@ -41,56 +70,34 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
     from vllm.v1.core.sched import scheduler
     from vllm.v1.request import RequestStatus
 
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool, admission_headroom
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
     running_status = RequestStatus.RUNNING
+    names = {"ElasticBlockPool": ElasticBlockPool, "running_status": running_status}
 
     kv_cache_coordinator.BlockPool = pool_class or ElasticBlockPool
 
     def need_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         # (request_id, num_tokens, new_computed_blocks, ...) in 0.28 and 0.32
-        hits_at = _parameter_index(original, "new_computed_blocks", 3) - 1
-
-        def count_and_expect(self: Any, args: tuple[Any, ...]) -> int:
-            num = original(self, *args)
-            # 0 (most calls: running requests between blocks) needs no backing, and the pool
-            # answers vLLM's own free count when it was told nothing.
-            if num:
-                pool = self.block_pool
-                if isinstance(pool, ElasticBlockPool):
-                    pool.expect(num, args[hits_at])
-            return num
-
-        fast = forward_positionally(original, count_and_expect)
+        fast = compile_hook(original, EXPECT_HOOK, names, uses=("self", "new_computed_blocks"))
         if fast is not None:
             return fast
+        hits_at = _parameter_index(original, "new_computed_blocks", 3)
 
         def get_num_blocks_to_allocate(self: Any, *args: Any, **kwargs: Any) -> int:
             num = original(self, *args, **kwargs)
             pool = self.block_pool
             if num and isinstance(pool, ElasticBlockPool):
-                hits = kwargs.get("new_computed_blocks", args[2] if len(args) > 2 else ())
+                hits = kwargs.get(
+                    "new_computed_blocks", args[hits_at - 1] if len(args) >= hits_at else ()
+                )
                 pool.expect(num, hits)
             return num
 
         return get_num_blocks_to_allocate
 
     def window_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def in_window(self: Any, args: tuple[Any, ...]) -> Any:
-            pool = self.block_pool
-            if not isinstance(pool, ElasticBlockPool):
-                return original(self, *args)
-            request = args[0]
-            # a running request's growth needs no headroom: the common case, tested inline
-            pool.open_window(
-                0 if request.status is running_status else admission_headroom(self, request)
-            )
-            try:  # a plain try/finally: this runs per request per step
-                return original(self, *args)
-            finally:
-                pool.close_window()
-
-        fast = forward_positionally(original, in_window)
+        fast = compile_hook(original, WINDOW_HOOK, names, uses=("self", "request"))
         if fast is not None:
             return fast
 
@@ -98,8 +105,11 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
             pool = self.block_pool
             if not isinstance(pool, ElasticBlockPool):
                 return original(self, *args, **kwargs)
-            request = kwargs.get("request", args[0] if args else None)
-            pool.open_window(admission_headroom(self, request))
+            request: Any = kwargs["request"] if "request" in kwargs else args[0]
+            if request.status is running_status:
+                pool.open_window(0)
+            else:
+                pool.open_admission(self, request)
             try:
                 return original(self, *args, **kwargs)
             finally:
