@@ -13,7 +13,7 @@ import psutil
 from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE
 
 EngineRuns = Callable[..., dict[str, Any]]
-ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching")
+ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching", "--scheduler-clock")
 
 
 def test_mp_outputs_identical_to_native(runs: EngineRuns) -> None:
@@ -25,6 +25,21 @@ def test_mp_outputs_identical_to_native(runs: EngineRuns) -> None:
     assert len(elastic["concurrent"]) == 16
     assert all(len(t) == 64 for t in elastic["concurrent"])
     assert elastic["concurrent"] == native["concurrent"]
+
+
+def test_mp_scheduler_clock_counts_both_sides(runs: EngineRuns) -> None:
+    """``ELASTICKV_SCHEDULER_CLOCK`` counts the engine core process's scheduler on a native
+    engine as on an elastic one: the file the runner created is written from the engine core
+    process, a step's ``schedule`` and ``update_from_output`` alike."""
+    for result in (
+        runs("tiny-llama", *ARGS, mp=True),
+        runs("tiny-llama", *ARGS, mp=True, **ELASTIC),
+    ):
+        clock = result["scheduler_clock"]
+        print(f"\n[vllm-mp elastic={result['elastic']}] scheduler clock {clock}")
+        assert clock["schedule_calls"] >= 64, clock  # 64 tokens per request at least
+        assert clock["update_calls"] >= 64, clock
+        assert clock["schedule_ns"] > 0 and clock["update_ns"] > 0, clock
 
 
 def test_mp_footprint_follows_load(runs: EngineRuns) -> None:

@@ -13,12 +13,16 @@ stdout; the engine is shut down and its child processes are checked to be gone.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -226,7 +230,20 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--distributed-executor-backend", help="vLLM's default when not given")
+    parser.add_argument(
+        "--scheduler-clock",
+        action="store_true",
+        help="count the scheduler's CPU time (ELASTICKV_SCHEDULER_CLOCK) and report it",
+    )
     args = parser.parse_args()
+    clock = None
+    if args.scheduler_clock:
+        from elastickv.integrations.vllm.config import SCHEDULER_CLOCK_VAR
+        from elastickv.integrations.vllm.scheduler_clock import create_clock_file
+
+        clock = Path(tempfile.mkdtemp(prefix="elastickv-clock-")) / "scheduler.clock"
+        create_clock_file(clock)
+        os.environ[SCHEDULER_CLOCK_VAR] = str(clock)  # the engine core inherits it
     result = run(
         args.model,
         args.scenario,
@@ -238,6 +255,11 @@ def main() -> None:
         args.dtype,
         args.distributed_executor_backend,
     )
+    if clock is not None:
+        from elastickv.integrations.vllm.scheduler_clock import read_clock
+
+        result["scheduler_clock"] = dataclasses.asdict(read_clock(clock))
+        shutil.rmtree(clock.parent)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
 
 

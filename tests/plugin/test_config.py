@@ -121,6 +121,12 @@ def test_settings_set_while_the_plugin_is_off_are_reported() -> None:
     assert ignored_settings({"PATH": "/bin"}) == []
 
 
+def test_the_scheduler_clock_is_known_and_works_while_the_plugin_is_off() -> None:
+    clock = {"ELASTICKV_SCHEDULER_CLOCK": "/run/engine.clock"}
+    assert ignored_settings(clock) == []  # it clocks a native engine: not ignored
+    ElasticConfig.from_env(clock)  # and no "unknown setting" for an elastic engine
+
+
 def test_a_percentage_budget_without_the_ledger_is_of_physical_memory() -> None:
     import os
 

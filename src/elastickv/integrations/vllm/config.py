@@ -67,7 +67,10 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "spinning on a core; 0: NIXL's spin (default 5 on vLLM's CPU backend, else 0)",
     ),
 }
-KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values())
+# Read by the plugin whether or not ``ELASTICKV=1`` (a native engine's scheduler can be clocked
+# too); not an engine setting (see ``scheduler_clock``).
+SCHEDULER_CLOCK_VAR = "ELASTICKV_SCHEDULER_CLOCK"
+KNOWN_VARIABLES = frozenset(var for var, _ in SETTINGS.values()) | {SCHEDULER_CLOCK_VAR}
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -80,7 +83,7 @@ def ignored_settings(environ: Mapping[str, str] | None = None) -> list[str]:
     """``ELASTICKV_*`` variables that are set while the plugin is off: vLLM runs natively and
     they change nothing, which a user who set them wants to know."""
     env = os.environ if environ is None else environ
-    return sorted(k for k in env if k.startswith(PREFIX))
+    return sorted(k for k in env if k.startswith(PREFIX) and k != SCHEDULER_CLOCK_VAR)
 
 
 def unknown_setting_message(names: list[str]) -> str:

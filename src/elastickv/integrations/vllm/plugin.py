@@ -1,4 +1,5 @@
-"""The ``vllm.general_plugins`` entry point. Inert unless ``ELASTICKV=1``.
+"""The ``vllm.general_plugins`` entry point. Inert unless ``ELASTICKV=1`` (or
+``ELASTICKV_SCHEDULER_CLOCK``, which clocks a native engine's scheduler too).
 
 vLLM loads general plugins in every process it starts; :func:`register` is idempotent and
 either installs every hook the detected contract needs or raises — never half of them.
@@ -11,6 +12,7 @@ import multiprocessing
 import threading
 
 from elastickv.geometry import Contract
+from elastickv.integrations.vllm import scheduler_clock
 from elastickv.integrations.vllm.config import (
     ENABLE_VAR,
     ElasticConfig,
@@ -27,6 +29,7 @@ _install_lock = threading.Lock()
 def register() -> None:
     """Entry point: validate settings and the vLLM contract, then install the hooks."""
     join_vllm_log()
+    clock = scheduler_clock.clock_file_from_env()
     if not enabled():
         ignored = ignored_settings()
         # Once, from the process the user started (vLLM's engine and worker processes are
@@ -39,8 +42,12 @@ def register() -> None:
                 ENABLE_VAR,
                 ENABLE_VAR,
             )
+        if clock is not None:
+            scheduler_clock.install(clock)
         return
     install(ElasticConfig.from_env())
+    if clock is not None:
+        scheduler_clock.install(clock)  # after the hooks, so that they are counted
 
 
 def install(config: ElasticConfig, policy_factory: PolicyFactory = default_policy) -> Contract:
