@@ -321,3 +321,46 @@ def test_growth_over_the_seen_limit_is_refused_without_the_ledger(
     monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
     assert not a.try_admit(MiB)
     assert ledger.snapshot().usage.generation != generation  # the ledger counted it
+
+
+def test_over_limit_is_answered_from_the_seen_limit_until_it_changes(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine asks every 50 ms whether it is over its limit. While the record's limit
+    revision is the one its last ledger operation read (and that view is under a second old),
+    the answer comes from its own usage and that limit, without the ledger; it always equals
+    what the ledger says, and a limit any process changes is seen at the next call."""
+    import elastickv.control.ledger as ledger_module
+
+    a = ledger.register("a", limit="16M")
+    assert a.try_admit(12 * MiB)
+    reads: list[str] = []
+    handle_info = ledger._handle_info
+
+    def counted(handle: object) -> object:
+        reads.append("info")
+        return handle_info(handle)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ledger, "_handle_info", counted)
+    assert a.over_limit_bytes() == 0 and a.over_limit_bytes() == 0
+    assert reads == []  # answered locally: the view is fresh and the revision unchanged
+    # Another process lowers the limit below the usage: the next call sees it.
+    lower = (
+        "from elastickv.control import open_ledger\n"
+        f"with open_ledger(total_bytes={BUDGET}, utilization=1.0, create=False) as other:\n"
+        "    other.set_limit('a', '8M')\n"
+    )
+    subprocess.run([sys.executable, "-c", lower], check=True, env=os.environ.copy())
+    assert a.over_limit_bytes() == 4 * MiB == a.info().over_limit_bytes
+    reads.clear()
+    a.release(2 * MiB)  # its own usage changes: counted locally, same answer as the ledger
+    assert a.over_limit_bytes() == 2 * MiB
+    assert reads == []
+    assert a.info().over_limit_bytes == 2 * MiB
+    ledger.set_limit("a", None)
+    assert a.over_limit_bytes() == 0 == a.info().over_limit_bytes
+    # A view older than OVER_LIMIT_VIEW_NS asks the ledger, even with the same revision.
+    reads.clear()
+    monkeypatch.setattr(ledger_module, "OVER_LIMIT_VIEW_NS", 0)
+    assert a.over_limit_bytes() == 0
+    assert reads == ["info"]

@@ -163,7 +163,7 @@ class EngineRegistration:
         """How far the engine is over its live limit (0 when closed or within it)."""
         if self._closed or self.handle.closed:
             return 0
-        return self.handle.info().over_limit_bytes
+        return self.handle.over_limit_bytes()
 
     def close(self) -> None:
         """Return every page, unregister, stop metrics (idempotent; never raises)."""
