@@ -126,6 +126,7 @@ class Started:
     kv_cache_tokens: int | None
     cpu_s_per_pass: dict[str, float]
     preemptions: int | None  # vLLM's counter over the server's life (warm-up included)
+    scheduler_steps_per_pass: float  # ``Scheduler.schedule`` calls (the scheduler clock)
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,7 @@ def run_round(
                 outputs.append(texts)
         preempted = {side: preemptions(servers[side][0]) for side in order}
         cpu: dict[str, dict[str, float]] = {}
+        steps: dict[str, float] = {}
         for side in order:
             after = cpu_seconds(servers[side][0])
             cpu[side] = {
@@ -308,6 +310,7 @@ def run_round(
             }
             clocked: SchedulerTimes = read_clock(clocks[side]) - clock_before[side]
             cpu[side][SCHEDULER_CPU] = round(clocked.cpu_s / work.passes, 4)
+            steps[side] = round(clocked.schedule_calls / work.passes, 1)
         for side in order:
             srv, startup = servers[side]
             stop_s, left = stop(srv)
@@ -321,6 +324,7 @@ def run_round(
                     kv_cache_tokens=kv_cache_tokens(srv.log),
                     cpu_s_per_pass=cpu[side],
                     preemptions=preempted[side],
+                    scheduler_steps_per_pass=steps[side],
                 )
             )
     return started, passes, ttfts, outputs
@@ -375,6 +379,7 @@ def summarise(
             "stop_s": round(statistics.median(s.stop_s for s in lives), 2),
             "kv_cache_tokens": lives[0].kv_cache_tokens,
             "preemptions": [s.preemptions for s in lives],
+            "scheduler_steps_per_pass": [s.scheduler_steps_per_pass for s in lives],
             "cpu_s_per_pass": {
                 name: round(statistics.median(s.cpu_s_per_pass.get(name, 0.0) for s in lives), 3)
                 for name in lives[0].cpu_s_per_pass
@@ -612,6 +617,11 @@ def print_tables(report: dict[str, Any]) -> None:
     console.print(
         f"{memory} (native {median['native']['kv_cache_tokens']} tokens); preemptions per server: "
         f"native {median['native']['preemptions']}, elastic {median['elastic']['preemptions']}"
+    )
+    console.print(
+        "scheduler steps per pass, per server: "
+        f"native {median['native']['scheduler_steps_per_pass']}, "
+        f"elastic {median['elastic']['scheduler_steps_per_pass']}"
     )
     console.print(
         f"greedy outputs identical: {report['greedy_identical']}; "
