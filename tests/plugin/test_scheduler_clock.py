@@ -16,6 +16,7 @@ from elastickv.integrations.vllm.scheduler_clock import (
     clock_file_from_env,
     clock_methods,
     create_clock_file,
+    open_clock_file,
     read_clock,
 )
 
@@ -100,3 +101,25 @@ def test_the_variable_names_the_file() -> None:
     assert clock_file_from_env({"ELASTICKV_SCHEDULER_CLOCK": "/run/x.clock"}) == Path(
         "/run/x.clock"
     )
+
+
+def test_a_file_that_is_not_a_clock_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """A mistyped path must not be overwritten: another file, a link or a missing folder is
+    refused with what is wrong; once an engine runs, a clock that cannot write stops
+    counting instead of stopping the engine."""
+    notes = tmp_path / "notes.txt"
+    notes.write_bytes(b"precious data, longer than thirty-two bytes")
+    with pytest.raises(ValueError, match="not a scheduler clock file"):
+        open_clock_file(notes)
+    link = tmp_path / "link.clock"
+    link.symlink_to(tmp_path / "target.clock")
+    with pytest.raises(ValueError, match="a link is refused"):
+        open_clock_file(link)
+    with pytest.raises(ValueError, match="cannot be opened"):
+        open_clock_file(tmp_path / "missing" / "x.clock")
+    scheduler_class = make_scheduler()
+    assert clock_methods(scheduler_class, notes)
+    scheduler: Any = scheduler_class()
+    assert scheduler.schedule(0.0) == "planned" and scheduler.schedule(0.0) == "planned"
+    assert notes.read_bytes() == b"precious data, longer than thirty-two bytes"
+    assert not (tmp_path / "target.clock").exists()

@@ -17,9 +17,13 @@ that runs a scheduler writes, and the file is meant for one engine core.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import logging
 import mmap
 import os
+import stat
 import struct
 import time
 from collections.abc import Callable, Mapping
@@ -28,9 +32,11 @@ from pathlib import Path
 from typing import Any
 
 from elastickv.integrations.vllm.config import SCHEDULER_CLOCK_VAR
+from elastickv.integrations.vllm.errors import ElasticKVStartupError
 
 _LAYOUT = struct.Struct("<4Q")
 _MARK = "__elastickv_scheduler_clock__"
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,31 @@ def create_clock_file(path: Path) -> None:
         os.close(fd)
 
 
+def open_clock_file(path: Path) -> mmap.mmap:
+    """``path`` mapped for writing the counters: a clock file (created if missing) owned by
+    this user and not a link; ValueError, saying what is wrong, for anything else (a file
+    the clock would overwrite)."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            create_clock_file(path)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except OSError as exc:
+        why = "a link is refused" if exc.errno == errno.ELOOP else exc.strerror
+        raise ValueError(f"{SCHEDULER_CLOCK_VAR}={path} cannot be opened: {why}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != _LAYOUT.size:
+            raise ValueError(
+                f"{SCHEDULER_CLOCK_VAR}={path} is not a scheduler clock file "
+                f"({st.st_size} bytes); name a new file, which is created"
+            )
+        if st.st_uid != os.getuid():
+            raise ValueError(f"{SCHEDULER_CLOCK_VAR}={path} belongs to another user")
+        return mmap.mmap(fd, _LAYOUT.size)
+    finally:
+        os.close(fd)
+
+
 def read_clock(path: Path) -> SchedulerTimes:
     """The counters in ``path``; all zero until a scheduler ran."""
     data = path.read_bytes()
@@ -81,13 +112,15 @@ def read_clock(path: Path) -> SchedulerTimes:
 
 
 class _Counters:
-    """The process's totals, mirrored into the file (opened at the first call: only a
-    process that runs a scheduler ever touches it)."""
+    """The process's totals, mirrored into the file (mapped at the first call: only a
+    process that runs a scheduler writes). A clock must never stop an engine: if the file
+    cannot be mapped then, the clock logs why and counts no more."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.values = [0, 0, 0, 0]
         self._view: mmap.mmap | None = None
+        self.failed = False
 
     def add(self, slot: int, ns: int) -> None:
         values = self.values
@@ -95,14 +128,15 @@ class _Counters:
         values[slot + 1] += 1
         view = self._view
         if view is None:
-            view = self._view = self._open()
+            if self.failed:
+                return
+            try:
+                view = self._view = open_clock_file(self.path)
+            except (OSError, ValueError) as exc:
+                self.failed = True
+                logger.warning("elastickv: the scheduler clock stopped: %s", exc)
+                return
         _LAYOUT.pack_into(view, 0, *values)
-
-    def _open(self) -> mmap.mmap:
-        if not self.path.exists():
-            create_clock_file(self.path)
-        with open(self.path, "r+b") as file:
-            return mmap.mmap(file.fileno(), _LAYOUT.size)
 
 
 def clock_methods(scheduler_class: type, path: Path) -> bool:
@@ -133,7 +167,12 @@ def _clocked(method: Callable[..., Any], counters: _Counters, slot: int) -> Call
 
 def install(path: Path) -> bool:
     """Clock vLLM's ``Scheduler`` in this process (after elastickv's own hooks, so that they
-    are counted); False if it was already."""
+    are counted); False if it was already. A path that is not a clock file this user may
+    write is refused here, at start-up."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    try:
+        open_clock_file(path).close()
+    except ValueError as exc:
+        raise ElasticKVStartupError(str(exc)) from None
     return clock_methods(Scheduler, path)
