@@ -820,7 +820,16 @@ class InstanceHandle:
         return (
             growth > 0
             and self._committed + self._reserved + growth > limit
-            and time.monotonic_ns() - self._limit_seen_ns < LIMIT_VIEW_NS
+            and self._limit_view_current(LIMIT_VIEW_NS)
+        )
+
+    def _limit_view_current(self, max_age_ns: int) -> bool:
+        """Whether the limit this instance's last ledger operation read is under
+        ``max_age_ns`` old and its revision still the record's (one 8-byte read, no lock)."""
+        seen = self._limit_seen_ns
+        return (
+            seen > 0
+            and time.monotonic_ns() - seen < max_age_ns
             and self._ledger._revision_now(self.slot) == self._revision_seen
         )
 
@@ -876,12 +885,7 @@ class InstanceHandle:
         inside a running engine (two file locks and an ``fstat``); a changed limit is still
         seen at the next call."""
         self._check_open()
-        seen = self._limit_seen_ns
-        if (
-            seen
-            and time.monotonic_ns() - seen < OVER_LIMIT_VIEW_NS
-            and self._ledger._revision_now(self.slot) == self._revision_seen
-        ):
+        if self._limit_view_current(OVER_LIMIT_VIEW_NS):
             limit = self._limit_seen
             if limit == NO_LIMIT:
                 return 0
