@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from elastickv.geometry import KVCacheGeometry
 from elastickv.integrations.vllm.config import ElasticConfig
@@ -23,19 +25,30 @@ from elastickv.vmm import host_granularity
 PAGE = host_granularity()
 
 
-def make_pool(num_blocks: int, budget_pages: int, *, precommit: bool = False) -> Any:
-    """An elastic pool of ``num_blocks`` blocks, one block per page, ``budget_pages`` pages
-    allowed (the null block takes one), with the pre-commit thread if ``precommit``."""
+def make_pool(
+    num_blocks: int,
+    budget_pages: int,
+    *,
+    precommit: bool = False,
+    blocks_per_page: int = 1,
+    hot_max_pages: int = 0,
+) -> Any:
+    """An elastic pool of ``num_blocks`` blocks, ``blocks_per_page`` blocks per page (1 or
+    2), ``budget_pages`` pages allowed (the null block takes one), ``hot_max_pages`` freed
+    pages kept, with the pre-commit thread if ``precommit``."""
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
-    # One block per page: 1 layer, 1 KV head, 16 tokens of 2×32 fp32 = 4 KiB.
+    # 1 layer, 1 KV head, 16 tokens of 2×(PAGE/128 or /256) fp32: a page's worth or half.
     geometry = KVCacheGeometry(
         num_layers=1, num_blocks=num_blocks, num_kv_heads=1, block_size=16,
-        head_size=PAGE // 128, dtype="float32", layout="HND",
+        head_size=PAGE // (128 * blocks_per_page), dtype="float32", layout="HND",
     )  # fmt: skip
-    assert geometry.backing_bytes == num_blocks * PAGE
+    assert geometry.backing_bytes * blocks_per_page == num_blocks * PAGE
     config = ElasticConfig(
-        page_size=PAGE, budget_bytes=budget_pages * PAGE, hot_max_pages=0, precommit=precommit
+        page_size=PAGE,
+        budget_bytes=budget_pages * PAGE,
+        hot_max_pages=hot_max_pages,
+        precommit=precommit,
     )
     store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
     REGISTRY.publish(store)
@@ -266,12 +279,86 @@ def test_a_refusal_by_the_limit_stands_until_something_changes(
         before = len(asked)
         assert allocate(made, 1, []) is None and allocate(made, 1, []) is None
         assert len(asked) == before  # back to the state it was refused in: it stands
+        made.free_blocks(held[1:3])  # room for two: asked again
+        assert allocate(made, 3, []) is None and len(asked) > before
+        before = len(asked)
+        assert allocate(made, 1, []) is not None  # the room shrank: the refusal of 3 stands
+        assert allocate(made, 3, []) is None and allocate(made, 4, []) is None
+        assert len(asked) == before + 1  # only the successful take asked
+        assert allocate(made, 1, []) is not None  # at the limit again
+        before = len(asked)
         monkeypatch.setattr(block_pool, "REFUSAL_RECHECK_S", 0.0)
         time.sleep(0.05)  # past the standing refusal's 0.02 s
         assert allocate(made, 1, []) is None and allocate(made, 1, []) is None
         assert len(asked) == before + 2  # each asked: a refusal now stands no time at all
-        assert made.elastic_stats()["refusals"] == 4  # the allocator's: only those it saw
+        assert made.elastic_stats()["refusals"] == 5  # the allocator's: only those it saw
     finally:
+        made.close_elastic()
+
+
+# One step of the standing-refusal property test: take k blocks, free a held request's
+# blocks (plain, or hashed so that they park in the prefix cache), or release the hot pages
+# (what ``sync_limit`` does over a lowered limit); every step is followed by probes.
+_REFUSAL_STEP = st.one_of(
+    st.tuples(st.just("take"), st.integers(1, 3)),
+    st.tuples(st.sampled_from(["free", "park"]), st.integers(0, 7)),
+    st.tuples(st.just("trim"), st.just(0)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(_REFUSAL_STEP, min_size=1, max_size=30),
+    blocks_per_page=st.sampled_from([1, 2]),
+    hot_max_pages=st.sampled_from([0, 2]),
+)
+def test_a_standing_refusal_never_refuses_what_the_limit_would_admit(
+    steps: list[tuple[str, int]], blocks_per_page: int, hot_max_pages: int
+) -> None:
+    """A refusal by the limit stands while the engine's room does not grow (fewer or as many
+    warm, free and parked blocks, as many committed pages or more), also while blocks change
+    hands: whenever the pool would refuse from a standing refusal, asking the limit for
+    real refuses too. Probed (1 to 4 blocks) after every step of a random mix of takes,
+    frees, frees into the prefix cache and hot-page releases at a limit of 5 pages, freed
+    pages released at once or kept hot. (The free and committed counts each catch a page a
+    free released; dropping the parked condition, or both of those, fails this test.)"""
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    from elastickv.integrations.vllm import block_pool
+
+    saved = block_pool.REFUSAL_RECHECK_S
+    block_pool.REFUSAL_RECHECK_S = 3600.0  # only the room may end a refusal here
+    made = make_pool(16, 5, blocks_per_page=blocks_per_page, hot_max_pages=hot_max_pages)
+    held: list[list[Any]] = []
+    hashes = iter(range(1, 1 << 20))
+    try:
+        for action, number in steps:
+            if action == "take":
+                got = allocate(made, number, [])
+                if got is not None:
+                    held.append(got)
+            elif action in ("free", "park") and held:
+                blocks = held.pop(number % len(held))
+                if action == "park":
+                    for block in blocks:
+                        key = make_block_hash_with_group_id(
+                            BlockHash(next(hashes).to_bytes(32, "big")), 0
+                        )
+                        made._insert_block_hash(key, block, num_tokens=16)
+                made.free_blocks(reversed(blocks))
+            elif action == "trim":
+                made.allocator.trim(0)
+            for probe in range(1, 5):
+                if not made._known_refusal(probe):
+                    continue
+                # The pool would refuse ``probe`` blocks without asking: ask for real.
+                refusal = (made._refused_blocks, made._refused_until, made._refused_state)
+                made._refused_blocks = 0
+                got = allocate(made, probe, [])
+                assert got is None, (action, number, probe, refusal, made.elastic_stats())
+                made._refused_blocks, made._refused_until, made._refused_state = refusal
+    finally:
+        block_pool.REFUSAL_RECHECK_S = saved
         made.close_elastic()
 
 

@@ -282,6 +282,11 @@ class BlockAllocator:
         return self._warm_free
 
     @property
+    def num_committed_pages(self) -> int:
+        """Pages committed now (in use and hot). O(1)."""
+        return self._num_committed
+
+    @property
     def num_usable_blocks(self) -> int:
         return self._limit
 
@@ -812,13 +817,17 @@ class BlockAllocator:
         the background thread, cold slabs are also committed ahead of that demand, so the
         step that needs them does not wait for the commit; never past the policy. Hot pages
         beyond the cap go back once the forecast drops: at once without the thread, at its
-        next round with it. Once per scheduler step: no lock unless pages go back."""
+        next round with it. Once per scheduler step: no lock unless pages go back, and an
+        unchanged forecast without the thread returns at once (every free already keeps the
+        reserve at the cap this forecast set)."""
+        thread = self._precommit
+        if blocks == self._forecast and thread is None:
+            return
         if blocks < 0:
             raise ValueError(f"a forecast is a number of blocks >= 0, got {blocks}")
         self._forecast = blocks
         # Pages ``blocks`` blocks take at this geometry's density (rounded up).
         self._forecast_pages = -(-blocks * self._touched_pages // self._num_blocks)
-        thread = self._precommit
         if thread is not None:
             if blocks > self._warm_free or self._num_hot > self.hot_reserve_cap:
                 thread.wake()

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 # lock and checks the liveness of every instance, far too much for every step of a small
 # model; an operator's limit still lands within this interval.
 LIMIT_CHECK_INTERVAL_S = 0.05
-# How long a refusal by the limit stands while nothing in this engine changes (see
+# How long a refusal by the limit stands while this engine's room does not grow (see
 # :meth:`ElasticBlockPool._known_refusal`): a raised limit, or memory another engine
 # released, is seen at most this late.
 REFUSAL_RECHECK_S = 0.02
@@ -93,15 +93,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         self.tracked_requests: dict[str, Any] | None = None  # see :meth:`track_requests`
-        # The last refusal by the limit: blocks asked, until when it stands, and the
-        # allocator's and prefix cache's state it was made in (see :meth:`_known_refusal`).
+        self._precommit_ahead = self.allocator.precommits_in_background
+        # The last refusal by the limit: blocks asked, until when it stands, and the capacity
+        # it was made at (see :meth:`_known_refusal`).
         self._refused_blocks = 0
         self._refused_until = 0.0
-        self._refused_state = (-1, -1, -1)
-        # The admission that refusal was for (None: a running request's growth) and the
-        # headroom counted for it.
+        self._refused_state = (-1, -1, -1, 1)
+        # The admission that refusal was for (None: a running request's growth), the headroom
+        # counted for it, and the state it was counted in.
         self._refused_request: Any = None
         self._refused_headroom = 0
+        self._headroom_state = self._refused_state
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         log_startup(store, self.allocator, self.registration)
@@ -174,11 +176,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         headroom = self._headroom
         if headroom < 0:  # an admission (see :meth:`open_admission`)
             request = self._admitting
-            if request is self._refused_request and self._known_refusal(
-                short + self._refused_headroom
+            if (
+                request is self._refused_request
+                and self._state() == self._headroom_state
+                and self._known_refusal(short + self._refused_headroom)
             ):
-                # The same request refused again. While a refusal stands no block changed
-                # hands, so its headroom can only have grown: it would be refused anyway.
+                # The same request refused again, and no block changed hands since its
+                # headroom was counted: the headroom is the same, and it would be refused.
                 self._refusals.refused(need + self._refused_headroom, self._committed_bytes)
                 return 0
             headroom = self._headroom = admission_headroom(self._admitting_manager, request)
@@ -193,6 +197,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._refusals.refused(need + headroom, self._committed_bytes)
             if self._admitting is not None:  # its next try needs no count either
                 self._refused_request, self._refused_headroom = self._admitting, headroom
+                self._headroom_state = self._state()
             return 0 if headroom else len(self._stash)
         if headroom and not self._room_for(wanted):
             self._refused(wanted, need + headroom, headroom)
@@ -202,9 +207,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refused(wanted, need, headroom)
         return len(self._stash)  # < need: vLLM answers "cannot schedule now"
 
-    def _state(self) -> tuple[int, int, int]:
+    def _state(self) -> tuple[int, int, int, int]:
+        """What a refusal by the limit depends on here, each entry only ever smaller while
+        this engine's room shrinks: warm free blocks, free blocks, parked blocks (room an
+        eviction would make) and committed pages, negated (fewer: usage released)."""
         allocator = self.allocator
-        return allocator.warm_free_blocks, allocator.num_free_blocks, len(self._parked)
+        return (
+            allocator.warm_free_blocks,
+            allocator.num_free_blocks,
+            len(self._parked),
+            -allocator.num_committed_pages,
+        )
 
     def _refused(self, blocks: int, asked: int, headroom: int) -> None:
         """The limit refused ``blocks`` more (``asked`` in all, for the log; ``headroom`` of
@@ -213,20 +226,31 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refusals.refused(asked, self._committed_bytes)
         self._refused_blocks = blocks
         self._refused_until = time.monotonic() + REFUSAL_RECHECK_S
-        self._refused_state = self._state()
+        self._refused_state = self._headroom_state = self._state()
         self._refused_request = self._admitting
         self._refused_headroom = headroom
 
     def _known_refusal(self, blocks: int) -> bool:
         """Whether ``blocks`` would be refused as the last refusal was: at least as many
-        blocks, nothing freed, released or parked here since, and within
-        ``REFUSAL_RECHECK_S`` (the limit and the other engines' use can change unseen).
-        An engine at its limit is refused the head of its queue on every step, and asking
-        the limit again each time is a ledger round trip (two file locks and an fstat)."""
+        blocks, no more room here than then (no more warm, free or parked blocks, no fewer
+        committed pages: see :meth:`_state`), and within ``REFUSAL_RECHECK_S`` (the limit
+        and the other engines' use can change unseen).
+
+        Why that is enough: the allocator takes warm blocks whenever they suffice, so the
+        refusal needed a page commit the limit refused; with no more warm blocks and no
+        less committed, the same commit is still past the same limit. An engine at its
+        limit is refused the head of its queue on every step while its running requests
+        take and free blocks, and asking the limit again each time costs a cold-path plan
+        and a ledger check."""
+        if not (0 < self._refused_blocks <= blocks and time.monotonic() < self._refused_until):
+            return False
+        warm, free, parked, uncommitted = self._state()
+        then_warm, then_free, then_parked, then_uncommitted = self._refused_state
         return (
-            0 < self._refused_blocks <= blocks
-            and time.monotonic() < self._refused_until
-            and self._state() == self._refused_state
+            warm <= then_warm
+            and free <= then_free
+            and parked <= then_parked
+            and uncommitted <= then_uncommitted
         )
 
     def _committed_bytes(self) -> int:
@@ -304,25 +328,25 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         (``ELASTICKV_PRECOMMIT``), the forecast always counts, and the thread commits those
         pages while this step runs instead of the next step waiting for them. Either way
         nothing goes past the limit, and pages go back once the demand is gone."""
-        allocator = self.allocator
         waiting = scheduler.waiting
-        if not waiting and not allocator.precommits_in_background:
-            if allocator.forecast_blocks:
-                allocator.forecast(0)
-            return
-        running = len(scheduler.running)
-        blocks = running
-        # vLLM 0.32 admits up to max_num_active_reqs (defaults to max_num_running_reqs).
-        limit = getattr(scheduler, "max_num_active_reqs", None) or scheduler.max_num_running_reqs
-        room = limit - running
-        if room > 0 and waiting:
-            size = self._block_tokens
-            admissible = self.free_block_queue.num_free_blocks
-            for request in itertools.islice(waiting, room):
-                blocks += -(-request.num_tokens // size)
-                if blocks >= admissible:
-                    break
-        allocator.forecast(blocks)
+        if waiting:
+            running = len(scheduler.running)
+            blocks = running
+            # vLLM 0.32 admits up to max_num_active_reqs (default: max_num_running_reqs).
+            limit = getattr(scheduler, "max_num_active_reqs", None)
+            room = (limit or scheduler.max_num_running_reqs) - running
+            if room > 0:
+                size = self._block_tokens
+                admissible = self.free_block_queue.num_free_blocks
+                for request in itertools.islice(waiting, room):
+                    blocks += -(-request.num_tokens // size)
+                    if blocks >= admissible:
+                        break
+        elif self._precommit_ahead:
+            blocks = len(scheduler.running)
+        else:
+            blocks = 0
+        self.allocator.forecast(blocks)  # an unchanged forecast returns at once
 
     def idle_tick(self) -> int:
         """The engine waits for work (its idle ticks): no demand is left to keep pages hot
@@ -342,11 +366,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._free_batch = []
 
     def end_free_batch(self) -> None:
-        """Hand the batch's blocks to the allocator and close the batch."""
-        try:
-            self._flush_frees()
-        finally:
-            self._free_batch = None
+        """Hand the batch's blocks to the allocator and close the batch (closed first, so a
+        failing free leaves no batch open)."""
+        batch, self._free_batch = self._free_batch, None
+        if batch:
+            if len(set(batch)) != len(batch):
+                batch = list(dict.fromkeys(batch))
+            self.allocator.free(batch)
 
     def _flush_frees(self) -> None:
         batch = self._free_batch

@@ -9,7 +9,7 @@ Three touch points in ``vllm.v1.core``:
 * ``KVCacheManager.allocate_slots`` → runs inside the pool's allocation window, so backing
   happens before vLLM's fit check and unused backing is returned right after; admitting a
   waiting request also needs one block of headroom per running request whose next token
-  needs a new block (the pool reads the scheduler's requests, given it every step).
+  needs a new block (the pool reads the scheduler's own table of requests, handed to it once).
 
 Both run for every running request in every step, so each is compiled with the hooked
 method's own signature (:func:`~elastickv.integrations.vllm.hooks.compile_hook`).
@@ -47,6 +47,39 @@ def {name}({signature}):
             pool.expect(num, new_computed_blocks)
     return num
 """
+# Once per step each, also compiled: ``schedule`` applies the live limit first and forecasts
+# the next step's blocks afterwards; ``update_from_output`` frees its finished requests'
+# blocks in one batch. The pool is found by attribute (no ``getattr`` defaults) on the path
+# every step takes; a scheduler without one is left to ``elastic_pool``.
+SCHEDULE_HOOK = """
+def {name}({signature}):
+    try:
+        pool = self.kv_cache_manager.block_pool
+    except AttributeError:
+        pool = elastic_pool(self)
+    if not isinstance(pool, ElasticBlockPool):
+        return original({arguments})
+    pool.sync_limit()  # live limits, once per step, in the scheduler's thread
+    if pool.tracked_requests is not self.requests:
+        pool.track_requests(self.requests)  # for the admission headroom
+    output = original({arguments})
+    pool.forecast_demand(self)  # the next step's pages, committed while this one runs
+    return output
+"""
+UPDATE_HOOK = """
+def {name}({signature}):
+    try:
+        pool = self.kv_cache_manager.block_pool
+    except AttributeError:
+        pool = elastic_pool(self)
+    if not isinstance(pool, ElasticBlockPool):
+        return original({arguments})
+    pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
+    try:
+        return original({arguments})
+    finally:
+        pool.end_free_batch()
+"""
 WINDOW_HOOK = """
 def {name}({signature}):
     pool = self.block_pool
@@ -73,7 +106,11 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
     from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
     running_status = RequestStatus.RUNNING
-    names = {"ElasticBlockPool": ElasticBlockPool, "running_status": running_status}
+    names = {
+        "ElasticBlockPool": ElasticBlockPool,
+        "running_status": running_status,
+        "elastic_pool": _elastic_pool,
+    }
 
     kv_cache_coordinator.BlockPool = pool_class or ElasticBlockPool
 
@@ -118,24 +155,33 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
         return allocate_slots
 
     def schedule_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        fast = compile_hook(original, SCHEDULE_HOOK, names, uses=("self",))
+        if fast is not None:
+            return fast
+
         def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
             pool = _elastic_pool(self)
             if pool is None:
                 return original(self, *args, **kwargs)
-            pool.sync_limit()  # live limits, once per step, in the scheduler's thread
-            pool.track_requests(self.requests)  # for the admission headroom
+            pool.sync_limit()
+            if pool.tracked_requests is not self.requests:
+                pool.track_requests(self.requests)
             output = original(self, *args, **kwargs)
-            pool.forecast_demand(self)  # the next step's pages, committed while this one runs
+            pool.forecast_demand(self)
             return output
 
         return schedule
 
     def update_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        fast = compile_hook(original, UPDATE_HOOK, names, uses=("self",))
+        if fast is not None:
+            return fast
+
         def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
             pool = _elastic_pool(self)
             if pool is None:
                 return original(self, *args, **kwargs)
-            pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
+            pool.begin_free_batch()
             try:
                 return original(self, *args, **kwargs)
             finally:
@@ -154,16 +200,20 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
 
         return shutdown
 
-    def _elastic_pool(scheduler: Any) -> ElasticBlockPool | None:
-        manager = getattr(scheduler, "kv_cache_manager", None)
-        pool = getattr(manager, "block_pool", None)
-        return pool if isinstance(pool, ElasticBlockPool) else None
-
     wrap_method(kv_cache_coordinator.KVCacheCoordinator, "get_num_blocks_to_allocate", need_wrapper)
     wrap_method(kv_cache_manager.KVCacheManager, "allocate_slots", window_wrapper)
     wrap_method(scheduler.Scheduler, "schedule", schedule_wrapper)
     wrap_method(scheduler.Scheduler, "update_from_output", update_wrapper)
     wrap_method(scheduler.Scheduler, "shutdown", shutdown_wrapper)
+
+
+def _elastic_pool(scheduler: Any) -> ElasticBlockPool | None:
+    """The scheduler's block pool if it is elastic (None for a native engine's)."""
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    manager = getattr(scheduler, "kv_cache_manager", None)
+    pool = getattr(manager, "block_pool", None)
+    return pool if isinstance(pool, ElasticBlockPool) else None
 
 
 def _parameter_index(function: Callable[..., Any], name: str, default: int) -> int:
