@@ -15,13 +15,16 @@ CPU time, on two sides:
 
 Each side runs in its own process (the hooks patch vLLM's classes), both kept warm at once:
 the parent asks each for one pass of the workload in turn, alternating which goes first,
-``--passes`` times. Each pair of adjacent passes gives one ratio, elastic / native CPU per
-pass (> 1: elastickv costs more); the median and quartiles of those are reported, and the
-ratio of each side's fastest pass (the machine's load only ever adds time).
+``--passes`` times, then starts a fresh pair (another hash seed and memory layout, which
+alone move a CPython process by a few per cent) for each of ``--rounds``. Each pair of
+adjacent passes gives one ratio, elastic / native CPU per pass (> 1: elastickv costs more);
+the median and quartiles of those are reported, and the ratio of each side's fastest pass
+(the machine's load only ever adds time). ``--calibrate`` runs native on both sides: the
+ratio this machine gives for no difference at all.
 
-``--budget B``: native gets a KV cache of B, elastickv a limit of B (64 KiB pages) under the
-full virtual cache, so admissions are refused at the limit and vLLM preempts on both sides;
-the sides then run different numbers of steps (reported).
+With a limit (``--budget B``; by default 64 KiB per running request), native gets a KV cache
+of B, elastickv a limit of B (64 KiB pages) under the full virtual cache, so admissions are
+refused at the limit and vLLM preempts on both sides; the steps each side took are reported.
 
     .venvs/vllm-0.32/bin/python benchmarks/bench_scheduler.py [--concurrency 8 32] [--json]
 """
@@ -68,7 +71,6 @@ def build_scheduler(args: argparse.Namespace, elastic: bool) -> Any:
     of the tiny model's layers; the elastic side gets its store and hooks first."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.output import SchedulerOutput  # noqa: F401 (import check)
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         KVCacheConfig,
@@ -256,17 +258,21 @@ class Side:
 
 
 def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    """One workload: both sides warm at once, ``--passes`` passes each, alternating which
-    goes first; each pair of adjacent passes gives one ratio."""
-    sides = {name: Side(name, args, tmp) for name in ("native", "elastic")}
+    """One workload: ``--rounds`` pairs of processes (fresh ones each round: another hash
+    seed and memory layout), both sides warm at once, ``--passes`` passes each per round,
+    alternating which goes first; each pair of adjacent passes gives one ratio. With
+    ``--calibrate`` the elastic side is a second native process (an A/A run)."""
+    second = "native" if args.calibrate else "elastic"
     runs: dict[str, list[dict[str, Any]]] = {"native": [], "elastic": []}
-    try:
-        for index in range(args.passes):
-            for name in ("native", "elastic") if index % 2 == 0 else ("elastic", "native"):
-                runs[name].append(sides[name].run())
-    finally:
-        for side in sides.values():
-            side.close()
+    for _ in range(args.rounds):
+        sides = {"native": Side("native", args, tmp), "elastic": Side(second, args, tmp)}
+        try:
+            for index in range(args.passes):
+                for name in ("native", "elastic") if index % 2 == 0 else ("elastic", "native"):
+                    runs[name].append(sides[name].run())
+        finally:
+            for side in sides.values():
+                side.close()
     per_pass = sorted(
         e["cpu_s"] / n["cpu_s"] for n, e in zip(runs["native"], runs["elastic"], strict=True)
     )
@@ -290,12 +296,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "ratio_best": best("elastic", "cpu_s") / best("native", "cpu_s"),
         "ratio_schedule": best("elastic", "schedule_s") / best("native", "schedule_s"),
         "ratio_update": best("elastic", "update_s") / best("native", "update_s"),
-        "elastic_stats": runs["elastic"][-1]["elastic_stats"],
+        "calibration": args.calibrate,
+        "elastic_stats": runs["elastic"][-1].get("elastic_stats"),
     }
 
 
 def print_row(row: dict[str, Any]) -> None:
     budget = "no limit" if row["budget"] is None else f"limit {row['budget'] // 1024} KiB"
+    if row["calibration"]:
+        budget += " (A/A: native on both sides)"
     steps = row["steps"]
     print(
         f"{row['concurrency']} running, {budget}: {steps['native']} / {steps['elastic']} steps; "
@@ -328,7 +337,15 @@ def main() -> int:
         f"besides the one without (default: {BUDGET_PER_RUNNING // 1024} KiB per running "
         "request, tight enough that admissions are refused; none given: no such run)",
     )
-    parser.add_argument("--passes", type=int, default=40, help="passes per side (40)")
+    parser.add_argument("--passes", type=int, default=20, help="passes per side and round (20)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="fresh process pairs per workload (2)"
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="A/A run: native on both sides, the ratio the machine alone gives",
+    )
     parser.add_argument("--child", choices=("native", "elastic"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -336,7 +353,7 @@ def main() -> int:
         args.budget = args.budget[0] if args.budget else None
         child(args, args.child == "elastic")
         return 0
-    for name in ("requests", "max_tokens", "kv_cache_bytes", "passes"):
+    for name in ("requests", "max_tokens", "kv_cache_bytes", "passes", "rounds"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if any(c < 1 for c in args.concurrency):
