@@ -303,13 +303,15 @@ def measure(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def print_row(row: dict[str, Any]) -> None:
     budget = "no limit" if row["budget"] is None else f"limit {row['budget'] // 1024} KiB"
+    second = "elastic"
     if row["calibration"]:
         budget += " (A/A: native on both sides)"
+        second = "native again"
     steps = row["steps"]
     print(
         f"{row['concurrency']} running, {budget}: {steps['native']} / {steps['elastic']} steps; "
         f"µs per step {row['native_us_per_step']:.1f} native, "
-        f"{row['elastic_us_per_step']:.1f} elastic; ratio {row['ratio']:.3f} "
+        f"{row['elastic_us_per_step']:.1f} {second}; ratio {row['ratio']:.3f} "
         f"[{row['ratio_q1']:.3f}, {row['ratio_q3']:.3f}], fastest passes "
         f"{row['ratio_best']:.3f} (schedule {row['ratio_schedule']:.3f}, "
         f"update_from_output {row['ratio_update']:.3f})",

@@ -370,17 +370,19 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         failing free leaves no batch open)."""
         batch, self._free_batch = self._free_batch, None
         if batch:
-            if len(set(batch)) != len(batch):
-                batch = list(dict.fromkeys(batch))
-            self.allocator.free(batch)
+            self._hand_over(batch)
 
     def _flush_frees(self) -> None:
         batch = self._free_batch
         if batch:
             self._free_batch = []
-            if len(set(batch)) != len(batch):
-                batch = list(dict.fromkeys(batch))
-            self.allocator.free(batch)
+            self._hand_over(batch)
+
+    def _hand_over(self, batch: list[int]) -> None:
+        """Free a batch's blocks in one allocator call (a block listed twice, once)."""
+        if len(set(batch)) != len(batch):
+            batch = list(dict.fromkeys(batch))
+        self.allocator.free(batch)
 
     # -- live limits and shutdown (scheduler hooks) ------------------------------------------
 

@@ -49,9 +49,9 @@ def {name}({signature}):
 """
 # Once per step each, also compiled: ``schedule`` applies the live limit first and forecasts
 # the next step's blocks afterwards; ``update_from_output`` frees its finished requests'
-# blocks in one batch. The pool is found by attribute (no ``getattr`` defaults) on the path
-# every step takes; a scheduler without one is left to ``elastic_pool``.
-SCHEDULE_HOOK = """
+# blocks in one batch. Both start by finding the pool by attribute (no ``getattr`` defaults)
+# on the path every step takes; a scheduler without one is left to ``elastic_pool``.
+_STEP_HOOK_START = """
 def {name}({signature}):
     try:
         pool = self.kv_cache_manager.block_pool
@@ -59,27 +59,26 @@ def {name}({signature}):
         pool = elastic_pool(self)
     if not isinstance(pool, ElasticBlockPool):
         return original({arguments})
-    pool.sync_limit()  # live limits, once per step, in the scheduler's thread
+"""
+SCHEDULE_HOOK = (
+    _STEP_HOOK_START
+    + """    pool.sync_limit()  # live limits, once per step, in the scheduler's thread
     if pool.tracked_requests is not self.requests:
         pool.track_requests(self.requests)  # for the admission headroom
     output = original({arguments})
     pool.forecast_demand(self)  # the next step's pages, committed while this one runs
     return output
 """
-UPDATE_HOOK = """
-def {name}({signature}):
-    try:
-        pool = self.kv_cache_manager.block_pool
-    except AttributeError:
-        pool = elastic_pool(self)
-    if not isinstance(pool, ElasticBlockPool):
-        return original({arguments})
-    pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
+)
+UPDATE_HOOK = (
+    _STEP_HOOK_START
+    + """    pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
     try:
         return original({arguments})
     finally:
         pool.end_free_batch()
 """
+)
 WINDOW_HOOK = """
 def {name}({signature}):
     pool = self.block_pool
