@@ -93,7 +93,6 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         self.tracked_requests: dict[str, Any] | None = None  # see :meth:`track_requests`
-        self._precommit_ahead = self.allocator.precommits_in_background
         # The last refusal by the limit: blocks asked, until when it stands, and the capacity
         # it was made at (see :meth:`_known_refusal`).
         self._refused_blocks = 0
@@ -176,10 +175,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         headroom = self._headroom
         if headroom < 0:  # an admission (see :meth:`open_admission`)
             request = self._admitting
-            if (
-                request is self._refused_request
-                and self._state() == self._headroom_state
-                and self._known_refusal(short + self._refused_headroom)
+            if request is self._refused_request and self._known_refusal(
+                short + self._refused_headroom, exact=self._headroom_state
             ):
                 # The same request refused again, and no block changed hands since its
                 # headroom was counted: the headroom is the same, and it would be refused.
@@ -230,11 +227,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refused_request = self._admitting
         self._refused_headroom = headroom
 
-    def _known_refusal(self, blocks: int) -> bool:
+    def _known_refusal(self, blocks: int, exact: tuple[int, int, int, int] | None = None) -> bool:
         """Whether ``blocks`` would be refused as the last refusal was: at least as many
         blocks, no more room here than then (no more warm, free or parked blocks, no fewer
         committed pages: see :meth:`_state`), and within ``REFUSAL_RECHECK_S`` (the limit
-        and the other engines' use can change unseen).
+        and the other engines' use can change unseen). With ``exact``, also only while the
+        state is exactly that one (no block changed hands since).
 
         Why that is enough: the allocator takes warm blocks whenever they suffice, so the
         refusal needed a page commit the limit refused; with no more warm blocks and no
@@ -244,7 +242,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         and a ledger check."""
         if not (0 < self._refused_blocks <= blocks and time.monotonic() < self._refused_until):
             return False
-        warm, free, parked, uncommitted = self._state()
+        state = self._state()
+        if exact is not None and state != exact:
+            return False
+        warm, free, parked, uncommitted = state
         then_warm, then_free, then_parked, then_uncommitted = self._refused_state
         return (
             warm <= then_warm
@@ -342,7 +343,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                     blocks += -(-request.num_tokens // size)
                     if blocks >= admissible:
                         break
-        elif self._precommit_ahead:
+        elif self.allocator.precommits_in_background:
             blocks = len(scheduler.running)
         else:
             blocks = 0
