@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from elastickv.control import open_ledger
 from elastickv.serve.engine import session_processes as engine_session_processes
 from elastickv.serve.engine import stop_session
@@ -51,9 +53,10 @@ def post(
     body: dict[str, Any],
     timeout: float = 300,
     streaming: threading.Event | None = None,
+    began: threading.Event | None = None,
 ) -> Reply:
-    """POST and read the whole answer; streams are parsed event by event (``streaming`` is set
-    at a stream's first event)."""
+    """POST and read the whole answer; streams are parsed event by event (``began`` is set
+    once a stream's status and headers arrived, ``streaming`` at its first event)."""
     start = time.monotonic()
     try:
         response = _open(base + path, body, timeout)
@@ -62,6 +65,8 @@ def post(
         return Reply(exc.code, payload, headers=dict(exc.headers), seconds=time.monotonic() - start)
     with response:
         headers = dict(response.headers)
+        if began is not None:
+            began.set()
         if not body.get("stream"):
             payload = json.loads(response.read())
             choice = payload["choices"][0]
@@ -165,6 +170,16 @@ def post_each(base: str, requests: list[tuple[str, dict[str, Any]]]) -> list[Rep
 def session_processes(sid: int) -> list[int]:
     """Pids of the live (non-zombie) processes of session ``sid``."""
     return [p.pid for p in engine_session_processes(sid)]
+
+
+def engine_cores(sid: int) -> list[int]:
+    """Pids of the vLLM engine-core processes (``VLLM::EngineCore``) of session ``sid``."""
+    found = []
+    for proc in engine_session_processes(sid):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in " ".join(proc.cmdline()):
+                found.append(proc.pid)
+    return found
 
 
 def rpc_dir(pid: int) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from serve_harness import (
     Reply,
     chat,
     complete,
+    engine_cores,
     get_json,
     greedy_mismatch,
     post,
@@ -334,55 +335,62 @@ def serve_run(
         r["wake_s"] = round(time.monotonic() - wake_started, 1)
         r["max_waiting_during_wake"] = max(waiting)
         r["wake_metrics"] = urlread(base + "/metrics")
-        # 5. kill -9 an engine mid-load: its requests fail cleanly, the other keeps serving.
-        # The kill comes once a stream is under way and a plain request is still in flight,
-        # and hits the engine serving them (beta may have been stopped, idle for 15 s, and
-        # woken by this load). The streams are sent first: vLLM admits in arrival order, so
-        # no plain request runs to its end before a stream begins (sent first, at beta's
-        # limit, all four once finished just as the first stream began, and the kill found
-        # none in flight).
-        streaming = [threading.Event() for _ in range(2)]
-        with ThreadPoolExecutor(16) as pool_exec:
-            stream_long = [
-                pool_exec.submit(
-                    post,
-                    base,
-                    "/v1/completions",
-                    complete("beta", load_prompt(i), 400, stream=True),
-                    streaming=started,
-                )
-                for i, started in enumerate(streaming)
-            ]
-            plain_long = [
-                pool_exec.submit(
-                    post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
-                )
-                for i in range(4)
-            ]
-            beta_long = plain_long + stream_long
-            alpha_during = [
-                pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
-            ]
+        # 5. kill -9 an engine with requests in flight: they fail cleanly, the other model
+        # keeps serving. The requests are held in flight by construction, whatever the
+        # machine's speed: beta's engine core is stopped (SIGSTOP) before they are sent, so
+        # none of them can finish; the kill comes once the router holds all six and both
+        # streams have begun (their 200 and headers reached the client). The engine core is
+        # let go (SIGCONT) right after the kill, so that it sees its parent's death as after
+        # any kill. One request first makes sure beta runs (it may have been stopped, idle
+        # for 15 s) and restarts its idle clock.
+        r["beta_ready"] = outputs([post(base, *workload("beta")["completions"][0])])
+        beta_pid = describe(base)["beta"]["engine_pid"]
+        killed_rpc = rpc_dir(beta_pid)["path"]
+        (engine_core,) = engine_cores(beta_pid)
+        began = [threading.Event() for _ in range(2)]
+        os.kill(engine_core, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(16) as pool_exec:
+                stream_long = [
+                    pool_exec.submit(
+                        post,
+                        base,
+                        "/v1/completions",
+                        complete("beta", load_prompt(i), 400, stream=True),
+                        began=event,
+                    )
+                    for i, event in enumerate(began)
+                ]
+                plain_long = [
+                    pool_exec.submit(
+                        post, base, "/v1/completions", complete("beta", load_prompt(i), 400)
+                    )
+                    for i in range(4)
+                ]
+                alpha_during = [
+                    pool_exec.submit(post, base, *rq) for rq in workload("alpha")["completions"]
+                ]
 
-            def mid_load() -> bool:
-                return any(
-                    started.is_set() and not reply.done()
-                    for started, reply in zip(streaming, stream_long, strict=True)
-                ) and any(not reply.done() for reply in plain_long)
+                def all_in_flight() -> bool:
+                    held = describe(base)["beta"]["in_flight"] == len(plain_long + stream_long)
+                    return held and all(event.is_set() for event in began)
 
-            assert wait_until(mid_load, 120, 0.01) is not None
-            beta_pid = describe(base)["beta"]["engine_pid"]
-            killed_rpc = rpc_dir(beta_pid)["path"]
-            os.kill(beta_pid, signal.SIGKILL)
-            killed = time.monotonic()
-            r["beta_record_gone_s"] = wait_until(
-                lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
-            )
-            r["beta_processes_gone_s"] = wait_until(
-                lambda: not session_processes(beta_pid), 10, 0.05
-            )
-            r["beta_failed_replies"] = [f.result() for f in beta_long]
-            r["alpha_during_kill"] = greedy([f.result() for f in alpha_during])
+                r["beta_held_s"] = wait_until(all_in_flight, 120, 0.02)
+                r["beta_done_before_kill"] = sum(f.done() for f in plain_long + stream_long)
+                os.kill(beta_pid, signal.SIGKILL)
+                killed = time.monotonic()
+                os.kill(engine_core, signal.SIGCONT)
+                r["beta_record_gone_s"] = wait_until(
+                    lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
+                )
+                r["beta_processes_gone_s"] = wait_until(
+                    lambda: not session_processes(beta_pid), 10, 0.05
+                )
+                r["beta_failed_replies"] = [f.result() for f in plain_long + stream_long]
+                r["alpha_during_kill"] = greedy([f.result() for f in alpha_during])
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_core, signal.SIGCONT)  # never leave a stopped process behind
         r["beta_restarted_s"] = wait_until(
             lambda: state_of(base, "beta") in ("idle", "serving"), 300, 0.5
         )
@@ -540,29 +548,19 @@ def test_stopped_model_wakes_with_requests_waiting(
 def test_engine_killed_mid_load(
     serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
 ) -> None:
-    # The kill comes once a stream is under way and a plain request in flight; one that the
-    # engine admitted early may have finished by then (beta may be at its limit while the
-    # load is admitted): it must then
-    # be whole: 400 tokens, or as many as fit the context (vLLM caps max_tokens at
-    # max_model_len minus the prompt: these prompts leave room for about 370). Every other
-    # one fails cleanly, and some of each kind do.
+    """The engine was held (stopped) with six of beta's requests in flight and killed: every
+    one of them fails cleanly, the plain ones with a 502, the streams (already begun: 200
+    and headers sent) with an error event; alpha is unaffected and beta comes back."""
+    assert serve_run["beta_ready"] == native_and_orphan["beta"]["completions"][:1]
+    assert serve_run["beta_held_s"] is not None
+    assert serve_run["beta_done_before_kill"] == 0
     replies = serve_run["beta_failed_replies"]
     plain, streams = replies[:4], replies[4:]
     for reply in plain:
-        if reply.status == 200:
-            (choice,) = reply.body["choices"]
-            room = MAX_MODEL_LEN - reply.body["usage"]["prompt_tokens"]
-            assert choice["finish_reason"] == "length", reply
-            assert reply.token_ids is not None and len(reply.token_ids) == min(400, room), reply
-        else:
-            assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
-    for reply in streams:  # a stream under way ends with an error event (or had finished)
-        if reply.status == 200:
-            assert reply.error_event is not None or reply.text, reply
-        else:  # one the engine had not begun fails as the plain requests do
-            assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
-    assert any(reply.status == 502 for reply in plain), plain
-    assert any(reply.error_event is not None for reply in streams), streams
+        assert reply.status == 502 and reply.body["error"]["type"] == "engine_failed", reply
+    for reply in streams:
+        assert reply.status == 200 and reply.error_event is not None, reply
+        assert reply.error_event["error"]["type"] == "engine_failed", reply
     assert_greedy(
         serve_run["alpha_during_kill"], native_and_orphan["alpha"]["greedy"], TIES["alpha"]
     )
