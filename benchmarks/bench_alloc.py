@@ -277,7 +277,6 @@ def pool_step(
     """The scheduler step through ``ElasticBlockPool`` and vLLM's ``BlockPool`` (needs vLLM)."""
     try:
         from vllm.v1.core.block_pool import BlockPool
-        from vllm.v1.request import RequestStatus
 
         from elastickv.integrations.vllm.block_pool import ElasticBlockPool
         from elastickv.integrations.vllm.config import ElasticConfig
@@ -285,7 +284,9 @@ def pool_step(
     except Exception:
         return None
     config = ElasticConfig(page_size=page_size, hot_max_pages=1 << 20)
-    store = ElasticStore.create(config, geometry, geometry.backing_bytes, local_policy)
+    store = ElasticStore.for_workers(
+        config, geometry, geometry.backing_bytes, 1, "host", local_policy
+    )
     REGISTRY.publish(store)
     elastic = ElasticBlockPool(geometry.num_blocks, False, 16)
     native = BlockPool(geometry.num_blocks, False, 16)
@@ -295,49 +296,50 @@ def pool_step(
         elastic.allocator.free(warm)  # pages stay committed: the step never commits
 
         def drive(pool: Any, hooks: bool) -> Workload:
-            # What allocate_slots and the scheduler around it call on the pool.
-            holders: dict[str, list[Any]] = {}
-            manager = SimpleNamespace(
-                coordinator=SimpleNamespace(
-                    single_type_managers=[SimpleNamespace(req_to_blocks=holders)]
-                )
-            )
+            # What allocate_slots and the scheduler around it call on the pool; with the
+            # hooks, also what the per-step hooks do around ``schedule`` and the output.
             requests = [
-                SimpleNamespace(request_id=str(i), status=RequestStatus.WAITING)
-                for i in range(len(MIXED_SIZES))
+                SimpleNamespace(request_id=str(i), num_tokens=16 * n, num_computed_tokens=0)
+                for i, n in enumerate(MIXED_SIZES)
             ]
+            scheduler = SimpleNamespace(
+                running=[],
+                waiting=[],
+                requests={},
+                max_num_scheduled_tokens=2048,
+                max_num_running_reqs=len(requests),
+                kv_cache_manager=SimpleNamespace(watermark_blocks=0),
+            )
+            output = SimpleNamespace()
+            holders: dict[str, list[Any]] = {}
 
-            def allocate(request: Any, n: int) -> list[Any]:
-                if not hooks:
-                    if pool.get_num_free_blocks() < n:
-                        raise RuntimeError("the pool is too small for the step")
-                    got: list[Any] = pool.get_new_blocks(n)
-                    return got
-                if request.status is RequestStatus.RUNNING:  # as the window hook does
-                    pool.open_window(0)
-                else:
-                    pool.open_admission(manager, request)
-                try:
-                    pool.expect(n, ([],))
-                    if pool.get_num_free_blocks() < n:
-                        raise RuntimeError("the pool is too small for the step")
-                    got = pool.get_new_blocks(n)
-                    return got
-                finally:
-                    pool.close_window()
+            def allocate(n: int) -> list[Any]:
+                if pool.get_num_free_blocks() < n:
+                    raise RuntimeError("the pool is too small for the step")
+                got: list[Any] = pool.get_new_blocks(n)
+                return got
+
+            def step(body: Callable[[], None]) -> None:
+                if hooks:
+                    pool.begin_step(scheduler)
+                body()
+                if hooks:
+                    pool.end_step(scheduler, output)
+
+            def admit() -> None:
+                for request, n in zip(requests, MIXED_SIZES, strict=True):
+                    holders[request.request_id] = allocate(n)
+
+            def decode() -> None:
+                for request in requests:
+                    holders[request.request_id].extend(allocate(1))
 
             def run() -> None:
-                if hooks:
-                    pool.sync_limit()
-                for request, n in zip(requests, MIXED_SIZES, strict=True):
-                    request.status = RequestStatus.WAITING
-                    holders[request.request_id] = allocate(request, n)
-                    request.status = RequestStatus.RUNNING
+                scheduler.running = []
+                step(admit)
+                scheduler.running = requests
                 for _ in range(DECODE_STEPS):
-                    if hooks:
-                        pool.sync_limit()
-                    for request in requests:
-                        holders[request.request_id].extend(allocate(request, 1))
+                    step(decode)
                 if hooks:
                     pool.begin_free_batch()
                 for i in FINISH_ORDER:
@@ -350,7 +352,6 @@ def pool_step(
         timed = paired(drive(elastic, True), drive(native, False), iterations, rounds)
     finally:
         elastic.close_elastic()
-        store.vmm_range.close()
     assert timed.other is not None and timed.ratio is not None
     assert timed.q1 is not None and timed.q3 is not None and timed.best is not None
     return PoolResult(

@@ -123,12 +123,13 @@ def build_scheduler(args: argparse.Namespace, elastic: bool) -> Any:
 
 def publish_store(num_blocks: int, num_layers: int, spec: Any) -> None:
     """What the elastic plugin does before the scheduler is built: settings from the
-    environment, the scheduler hooks, and a store over a real host range whose page commits
-    a ledger record admits under its limit."""
+    environment, the scheduler hooks, and a store whose pages a ledger record admits from
+    credit under its limit (the page operations of each step go nowhere: no worker maps
+    them here; what a worker's mapping costs is ``bench_vmm.py``'s)."""
     from elastickv.geometry import KVCacheGeometry
     from elastickv.integrations.vllm import scheduler_hooks
     from elastickv.integrations.vllm.config import ElasticConfig
-    from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
+    from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, default_policy
 
     config = ElasticConfig.from_env()
     scheduler_hooks.install()
@@ -140,7 +141,11 @@ def publish_store(num_blocks: int, num_layers: int, spec: Any) -> None:
         head_size=spec.head_size,
         dtype="float32",
     )
-    REGISTRY.publish(ElasticStore.create(config, geometry, geometry.backing_bytes))
+    REGISTRY.publish(
+        ElasticStore.for_workers(
+            config, geometry, geometry.backing_bytes, 1, "host", default_policy
+        )
+    )
 
 
 def run_pass(scheduler: Any, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:

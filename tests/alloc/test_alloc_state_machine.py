@@ -133,6 +133,25 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.requests.append(blocks)
 
     @rule(data=st.data())
+    def allocate_within_the_counted_room(self, data: st.DataObject) -> None:
+        """``blocks_within`` is a promise: any count up to it is served under that much
+        admission (an engine answers vLLM's free-block check from it, and vLLM then allocates
+        without a way back)."""
+        room = self.policy.available_bytes()
+        bound = self.alloc.blocks_within(room)
+        assert bound <= self.alloc.num_free_blocks
+        cap = data.draw(st.integers(0, bound + 2))
+        assert self.alloc.blocks_within(room, cap) == min(bound, cap)
+        if not bound:
+            return
+        n = data.draw(st.integers(1, bound))
+        blocks = self.alloc.allocate(n)
+        assert blocks is not None, f"{n} blocks within the counted room {bound} were refused"
+        for block in blocks:
+            self.write_tag(block)
+        self.requests.append(blocks)
+
+    @rule(data=st.data())
     @precondition(lambda self: bool(self.requests))
     def free(self, data: st.DataObject) -> None:
         index = data.draw(st.integers(0, len(self.requests) - 1))

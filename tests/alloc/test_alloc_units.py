@@ -4,7 +4,6 @@ threads and the background pre-commit thread."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -258,33 +257,6 @@ def test_concurrent_alloc_free_keeps_invariants() -> None:
         assert policy.admitted_bytes == 0
 
 
-def test_background_precommit_keeps_the_reserve(vrange: HostRange) -> None:
-    alloc = BlockAllocator(
-        GEOMETRY, vrange, min_hot_pages=4, max_hot_pages=6, background_precommit=True
-    )
-    try:
-        thread = alloc._precommit
-        assert thread is not None and thread.running
-
-        def wait_for_reserve() -> None:
-            deadline = time.monotonic() + 10
-            while len(alloc.hot_pages()) < 4:
-                assert time.monotonic() < deadline, "the reserve was never topped up"
-                time.sleep(0.01)
-
-        wait_for_reserve()
-        blocks = alloc.allocate(7 + 16)  # null slab + two slabs: consumes the reserve
-        assert blocks is not None
-        wait_for_reserve()
-        assert len(alloc.hot_pages()) <= 6
-        assert vrange.footprint_bytes() == len(alloc.committed_pages()) * PAGE
-        assert thread.last_error is None
-    finally:
-        alloc.close()
-    assert not thread.running
-    assert vrange.footprint_bytes() == 0
-
-
 def test_forecast_commits_ahead_within_the_policy_and_gives_back(vrange: HostRange) -> None:
     """Pages for a forecast demand are committed before the allocation that needs them (it
     then commits nothing), never past the policy, and go back once the forecast drops."""
@@ -330,37 +302,6 @@ def test_forecast_keeps_freed_pages_hot_until_it_drops(vrange: HostRange) -> Non
         alloc.forecast(0)
         assert alloc.hot_pages() == frozenset() and alloc.forecast_blocks == 0
         assert alloc.committed_pages() == alloc.null_block_pages()
-
-
-def test_background_thread_follows_the_forecast(vrange: HostRange) -> None:
-    alloc = BlockAllocator(GEOMETRY, vrange, max_hot_pages=0, background_precommit=True)
-    try:
-        assert alloc.precommits_in_background
-
-        def wait_for(pages: int) -> None:
-            deadline = time.monotonic() + 10
-            while len(alloc.committed_pages()) != pages:
-                assert time.monotonic() < deadline, f"never reached {pages} committed pages"
-                time.sleep(0.01)
-
-        alloc.forecast(20)  # 7 + 8 + 8 free blocks: two slabs beyond the null slab's
-        wait_for(6)
-        alloc.forecast(0)
-        wait_for(2)
-        assert alloc._precommit is not None and alloc._precommit.last_error is None
-    finally:
-        alloc.close()
-    assert vrange.footprint_bytes() == 0
-
-
-def test_precommit_thread_stops_cleanly_when_idle(vrange: HostRange) -> None:
-    alloc = BlockAllocator(GEOMETRY, vrange, background_precommit=True)
-    thread = alloc._precommit
-    assert thread is not None
-    time.sleep(0.1)
-    alloc.close()
-    assert not thread.running
-    alloc.close()  # idempotent
 
 
 def test_floor_and_commit_observer(vrange: HostRange) -> None:

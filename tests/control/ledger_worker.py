@@ -2,11 +2,16 @@
 ``BlockAllocator`` admitted through the ledger, and a random allocate/free workload.
 
     python ledger_worker.py stress DIR NAME SECONDS SEED
+    python ledger_worker.py credit DIR NAME SECONDS SEED
     python ledger_worker.py hold DIR NAME BYTES
 
 Prints one JSON line ``{"ready": ..., "fd": <memfd>}`` once registered (stress then waits for a
 line on stdin, so all workers start contending together), and (stress) one JSON summary at the
 end. Exits non-zero if the kernel ever held more than the ledger admitted.
+
+``credit`` runs an engine's protocol: credit taken per step for a random demand, blocks
+placed within it over page grants, and the page operations applied by a follower to a real
+range (the worker's), so the kernel's footprint is the granted pages.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ import time
 
 from elastickv.alloc import BlockAllocator
 from elastickv.control import LedgerPolicy, open_ledger
+from elastickv.control.credit import CreditPolicy
 from elastickv.geometry import KVCacheGeometry
 from elastickv.vmm import HostBackend
+from elastickv.vmm.grants import GrantFollower, PageGrants
 
 PAGE = 64 * 1024
 # 16 KiB per block over 2 layers: 8 blocks share a 64 KiB page in each layer; 8 MiB in all.
@@ -76,6 +83,54 @@ def stress(directory: str, name: str, seconds: float, seed: int) -> int:
     return 0
 
 
+def credit(directory: str, name: str, seconds: float, seed: int) -> int:
+    rng = random.Random(seed)
+    grants = PageGrants(GEOMETRY.backing_bytes, PAGE)
+    with (
+        open_ledger(directory=directory) as ledger,
+        ledger.register(name) as handle,
+        HostBackend(page_size=PAGE).reserve(GEOMETRY.backing_bytes) as vrange,
+    ):
+        policy = CreditPolicy(handle)
+        alloc = BlockAllocator(GEOMETRY, grants, policy)
+        follower = GrantFollower(vrange)
+        follower.apply(grants.drain())
+        say(ready=name, fd=vrange.pool.fd)
+        sys.stdin.readline()
+        held: list[list[int]] = []
+        steps = refusals = 0
+        max_footprint = 0
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            steps += 1
+            # One scheduler step: credit for the demand, blocks within it, frees.
+            policy.settle(rng.randint(0, 24) * PAGE)
+            for _ in range(rng.randint(1, 4)):
+                want = rng.randint(1, 24)
+                if want > alloc.blocks_within(policy.available_bytes()):
+                    refusals += 1
+                    continue
+                blocks = alloc.allocate(want)
+                if blocks is None:
+                    say(error=f"{want} blocks within the counted room were refused")
+                    return 4
+                held.append(blocks)
+            while held and rng.random() < 0.5:
+                alloc.free(held.pop(rng.randrange(len(held))))
+            follower.apply(grants.drain())
+            footprint = vrange.footprint_bytes()
+            max_footprint = max(max_footprint, footprint)
+            if footprint != grants.granted_pages() * PAGE or footprint > policy.admitted_bytes:
+                say(error=f"kernel holds {footprint}, granted {grants.granted_pages() * PAGE}")
+                return 3
+        for blocks in held:
+            alloc.free(blocks)
+        alloc.close()
+        follower.apply(grants.drain())
+        say(done=name, ops=steps, refusals=refusals, max_footprint=max_footprint)
+    return 0
+
+
 def hold(directory: str, name: str, nbytes: int) -> int:
     """Commit about ``nbytes`` through the ledger, report it, then wait to be killed."""
     with (
@@ -95,6 +150,8 @@ def main(argv: list[str]) -> int:
     mode, directory, name = argv[:3]
     if mode == "stress":
         return stress(directory, name, float(argv[3]), int(argv[4]))
+    if mode == "credit":
+        return credit(directory, name, float(argv[3]), int(argv[4]))
     if mode == "hold":
         return hold(directory, name, int(argv[3]))
     raise SystemExit(f"unknown mode {mode!r}")

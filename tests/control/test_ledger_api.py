@@ -131,11 +131,16 @@ def test_limit_shrink_restore_regrow_with_revisions(ledger: Ledger) -> None:
     rev = ledger.set_limit("a", "16M", expected_revision=1)
     assert rev == 2
     info = a.info()
-    # The reserve is cut at once; the committed bytes drain lazily.
-    assert info.reserved_bytes == 0 and a.reserved_bytes == 0
+    # Only the owner gives back its reserve (credit it may already count on), then drains
+    # its committed bytes; no growth meanwhile.
+    assert info.reserved_bytes == 8 * MiB and a.reserved_bytes == 8 * MiB
     assert info.limit_desired == 16 * MiB
-    assert info.limit_effective == 24 * MiB and info.draining
-    assert info.over_limit_bytes == 8 * MiB
+    assert info.limit_effective == 32 * MiB and info.draining
+    assert info.over_limit_bytes == 16 * MiB
+    assert not a.try_admit(8 * MiB + 1)
+    assert a.set_reserved_bytes(0)
+    info = a.info()
+    assert info.limit_effective == 24 * MiB and info.over_limit_bytes == 8 * MiB
     assert not a.try_admit(1)
     a.release(12 * MiB)
     info = a.info()

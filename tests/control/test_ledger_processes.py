@@ -94,6 +94,52 @@ def test_contending_processes_never_exceed_the_budget(tmp_path: Path) -> None:
     ledger.close()
 
 
+def test_engines_on_credit_never_hold_more_than_the_budget(tmp_path: Path) -> None:
+    """Three engines' protocol at once (credit per step, blocks within it, pages granted and
+    mapped by a follower): committed plus credit of all of them never exceeds the budget at
+    any sample, and no kernel footprint exceeds what its engine holds in the ledger."""
+    budget = 12 * MiB
+    ledger = open_ledger(directory=str(tmp_path), total_bytes=budget, utilization=1.0)
+    workers = [spawn("credit", str(tmp_path), f"c{i}", "6", str(i)) for i in range(3)]
+    try:
+        pools = {}
+        for proc in workers:
+            ready = first_line(proc)
+            pools[str(ready["ready"])] = (proc.pid, int(str(ready["fd"])))
+        for proc in workers:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        samples = 0
+        peak_credit = 0
+        while any(proc.poll() is None for proc in workers):
+            with ledger.frozen() as snap:
+                held = {i.name: i.committed_bytes + i.reserved_bytes for i in snap.instances}
+                credit = sum(i.reserved_bytes for i in snap.instances)
+                footprints = {name: kernel_footprint(pid, fd) for name, (pid, fd) in pools.items()}
+            assert sum(held.values()) <= budget, held
+            for name, footprint in footprints.items():
+                assert footprint <= held.get(name, 0), (name, footprint, held)
+            peak_credit = max(peak_credit, credit)
+            samples += 1
+            time.sleep(0.005)
+        summaries = []
+        for proc in workers:
+            out, err = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out + err
+            summaries.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in workers:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert samples > 50
+    assert peak_credit > 0, "no engine ever held credit"
+    assert sum(int(s["refusals"]) for s in summaries) > 0, "the budget never bound"
+    assert ledger.device_usage().used_bytes == 0
+    ledger.close()
+
+
 def test_killed_instance_memory_is_taken_within_a_second(tmp_path: Path) -> None:
     budget = 8 * MiB
     with open_ledger(directory=str(tmp_path), total_bytes=budget, utilization=1.0) as ledger:

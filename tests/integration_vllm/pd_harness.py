@@ -111,7 +111,7 @@ def scramble_pool_of(pids: list[int]) -> int:
     committed pages include the null block and the unwritten tail of partial blocks, which
     attention reads and masks (a NaN times a zero weight stays NaN). Every later prompt that
     touched them then decoded token 0 sixteen times: a poisoned engine, not a transfer."""
-    holders = pool_fds(pids)  # the worker's pool, and the scheduler's fds
+    holders = pool_fds(pids)  # the worker's pool (the scheduler holds none)
     paths = [path for held in holders.values() for path in held]
     assert len({os.stat(path).st_ino for path in paths}) == 1, holders  # one pool (TP 1)
     noise = numpy.random.default_rng(0)

@@ -145,7 +145,6 @@ def test_concurrent_identical_under_budget_with_prefix_caching(runs: EngineRuns)
     assert max(s["footprint_bytes"] for s in elastic["samples"]) <= BUDGET
     after = elastic["after"]
     assert after["live_blocks"] == after["parked_blocks"] > 0, after  # only prefix cache
-    assert after["stash_blocks"] == 0
 
 
 def test_second_model_bf16_identical_and_footprint_follows_blocks(runs: EngineRuns) -> None:

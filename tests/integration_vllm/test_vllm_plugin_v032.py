@@ -112,7 +112,6 @@ def test_concurrent_identical_with_prefix_caching(runs: EngineRuns) -> None:
     after = elastic["after"]
     # Only prefix-cached (parked) blocks keep pages once every request finished.
     assert after["live_blocks"] == after["parked_blocks"] > 0, after
-    assert after["stash_blocks"] == 0
     assert after["footprint_bytes"] <= max(s["footprint_bytes"] for s in elastic["samples"])
 
 
@@ -135,23 +134,6 @@ def test_budget_forces_preemption_identical_outputs(runs: EngineRuns) -> None:
     elastic = runs("tiny-llama", *args, ELASTICKV_BUDGET=str(budget), **ELASTIC)
     assert elastic["preemptions"] > 0 and native["preemptions"] == 0
     assert elastic["after"]["refusals"] > 0
-    assert max(s["footprint_bytes"] for s in elastic["samples"]) <= budget
-    assert elastic["concurrent"] == native["concurrent"]
-
-
-def test_precommit_ahead_of_demand_identical_outputs(runs: EngineRuns) -> None:
-    """``ELASTICKV_PRECOMMIT=1``: the background thread commits pages for the forecast demand
-    (each running request's next block) while steps run, within the budget, and the outputs
-    stay native vLLM's. The budget leaves room to commit ahead: at a budget the requests
-    fill, nothing is committed ahead (the policy bound is the allocator tests' subject)."""
-    native = runs("tiny-llama", *ALL)
-    budget = 128 * PAGE
-    args = ("concurrent", "--max-tokens", "64")
-    # The commit check reads the footprint across each forward, which pre-commits change
-    # while it runs (the two refuse each other); strict mode still faults a stray touch.
-    extra = {"ELASTICKV_BUDGET": str(budget), "ELASTICKV_PRECOMMIT": "1"}
-    elastic = runs("tiny-llama", *args, **{**ELASTIC, **extra, "ELASTICKV_CHECK_COMMITS": "0"})
-    assert elastic["after"]["pages_precommitted"] > 0
     assert max(s["footprint_bytes"] for s in elastic["samples"]) <= budget
     assert elastic["concurrent"] == native["concurrent"]
 

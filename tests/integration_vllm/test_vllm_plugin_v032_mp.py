@@ -1,6 +1,7 @@
 """elastickv in vLLM 0.32's default multiprocess mode: the scheduler (engine core process)
-commits and releases the pages of a KV pool the worker process maps; compared with native
-multiprocess vLLM on one engine per side (functional prompts, then 16 concurrent requests)."""
+grants the pages of the KV cache the worker process maps in its own memory; compared with
+native multiprocess vLLM on one engine per side (functional prompts, then 16 concurrent
+requests). No engine process opens another's memory."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psutil
-from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE
+from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE, proc_fd_opens
 
 EngineRuns = Callable[..., dict[str, Any]]
 ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching", "--scheduler-clock")
@@ -25,6 +26,16 @@ def test_mp_outputs_identical_to_native(runs: EngineRuns) -> None:
     assert len(elastic["concurrent"]) == 16
     assert all(len(t) == 64 for t in elastic["concurrent"])
     assert elastic["concurrent"] == native["concurrent"]
+
+
+def test_no_engine_process_opens_another_through_proc(runs: EngineRuns) -> None:
+    """The engine core never reaches into its worker's memory (``/proc/<pid>/fd``): the
+    worker maps what the scheduler granted. Every Python process of the engine is audited
+    (the runner's own footprint probe aside)."""
+    elastic = runs("tiny-llama", *ARGS, mp=True, **ELASTIC)
+    assert proc_fd_opens(elastic) == []
+    probe = [line for line in elastic["proc_fd_opens"] if line["pid"] == elastic["runner_pid"]]
+    assert probe, "the audit saw nothing at all: is it loaded in the engine's processes?"
 
 
 def test_mp_scheduler_clock_counts_both_sides(runs: EngineRuns) -> None:

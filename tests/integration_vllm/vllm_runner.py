@@ -59,9 +59,10 @@ def _in_process_core(llm: Any) -> Any | None:
 def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, Any]] | None, list[int]]:
     """A stats sampler (None when native) and the fds it holds (to close before shutdown).
 
-    Every worker rank's memfd is opened through the plugin's export RPC, so each rank's
-    footprint is read from the kernel on its own; in-process the block pool's counters and
-    the scheduler's per-rank bookkeeping come with it."""
+    Every worker rank's memfd is found through the plugin's export RPC and opened here (the
+    test reads each rank's footprint from the kernel; no engine process opens another's), so
+    each rank's footprint is read on its own; in-process the block pool's counters and the
+    pages the scheduler granted come with it."""
     if not elastic:
         return None, []
     exports = llm.collective_rpc(EXPORT_METHOD)
@@ -82,10 +83,11 @@ def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, Any]] | None
 
     def stats() -> dict[str, Any]:
         out: dict[str, Any] = dict(pool.elastic_stats())
-        out["rank_footprint_bytes"] = ranks()
-        out["rank_committed_bytes"] = [
-            r.committed_bytes() for r in pool.elastic_store.rank_ranges()
-        ]
+        per_rank = ranks()
+        out["footprint_bytes"] = sum(per_rank)
+        out["rank_footprint_bytes"] = per_rank
+        # What each rank holds once it applied every batch of page operations sent so far.
+        out["rank_granted_bytes"] = [out["granted_pages"] * out["page_size"]] * len(per_rank)
         out["admitted_bytes"] = pool.allocator.policy.admitted_bytes
         return out
 
@@ -140,6 +142,7 @@ def run(
     tensor_parallel_size: int = 1,
     dtype: str = "auto",
     distributed_executor_backend: str | None = None,
+    barrier: tuple[Path, Path] | None = None,
 ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -157,6 +160,15 @@ def run(
         distributed_executor_backend=distributed_executor_backend,
     )
     startup_s = time.monotonic() - start
+    if barrier is not None:
+        # Started: say so, and serve only once told (tests that run engines together).
+        ready, go = barrier
+        ready.touch()
+        deadline = time.monotonic() + 600
+        while not go.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"never told to go ({go})")
+            time.sleep(0.05)
     elastic = os.environ.get("ELASTICKV") == "1"
     stats, probe_fds = _probe(llm, elastic)
     core = _in_process_core(llm)
@@ -177,7 +189,11 @@ def run(
         if sample and stats:
             samples.append(stats())
 
-    result: dict[str, Any] = {"elastic": elastic, "startup_s": round(startup_s, 1)}
+    result: dict[str, Any] = {
+        "elastic": elastic,
+        "startup_s": round(startup_s, 1),
+        "runner_pid": os.getpid(),
+    }
     start = time.monotonic()
     if scenario in ("functional", "all"):
         # Repeated prompts, one at a time: each completes before the next starts.
@@ -231,6 +247,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--distributed-executor-backend", help="vLLM's default when not given")
     parser.add_argument(
+        "--barrier",
+        nargs=2,
+        metavar=("READY", "GO"),
+        type=Path,
+        help="once the engine started, create READY, then wait until GO exists to serve",
+    )
+    parser.add_argument(
         "--scheduler-clock",
         action="store_true",
         help="count the scheduler's CPU time (ELASTICKV_SCHEDULER_CLOCK) and report it",
@@ -254,6 +277,7 @@ def main() -> None:
         args.tensor_parallel_size,
         args.dtype,
         args.distributed_executor_backend,
+        args.barrier,
     )
     if clock is not None:
         from elastickv.integrations.vllm.scheduler_clock import read_clock

@@ -133,17 +133,15 @@ def test_a_percentage_budget_without_the_ledger_is_of_physical_memory() -> None:
     from elastickv.alloc import FixedBudget
     from elastickv.integrations.vllm.store import local_policy
 
-    policy = local_policy(ElasticConfig.from_env({"ELASTICKV_BUDGET": "25%"}))
+    policy = local_policy(ElasticConfig.from_env({"ELASTICKV_BUDGET": "25%"}), "host")
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert isinstance(policy, FixedBudget)
     assert policy.available_bytes() == physical // 4
 
 
-def test_precommit_and_the_commit_check_exclude_each_other() -> None:
-    """The commit check reads the pool's footprint across each forward; background
-    pre-commits grow it during the forward, which the check would report as a stray touch."""
-    with pytest.raises(ElasticKVStartupError, match="cannot be used together"):
-        ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "1", "ELASTICKV_CHECK_COMMITS": "1"})
-    assert ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "1"}).precommit
-    with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PRECOMMIT='maybe'"):
-        ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "maybe"})
+def test_the_retired_precommit_setting_is_refused_not_ignored() -> None:
+    """``ELASTICKV_PRECOMMIT`` is gone (the scheduler grants pages and the workers map them,
+    so no commit waits in the scheduler): an engine started with it is told, never left
+    believing it acts."""
+    with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PRECOMMIT"):
+        ElasticConfig.from_env({"ELASTICKV_PRECOMMIT": "1"})

@@ -344,8 +344,8 @@ def test_attach_validates_the_pool(backend: HostBackend) -> None:
     finally:
         os.close(read_end)
         os.close(write_end)
-    with pytest.raises(ReservationError, match="cannot open pool"):
-        backend.open("/proc/self/fd/999999")
+    with pytest.raises(ReservationError, match="cannot duplicate pool fd"):
+        backend.attach(999999)
 
 
 def test_pool_size_is_sealed(vrange: HostRange) -> None:

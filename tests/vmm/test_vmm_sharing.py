@@ -1,4 +1,5 @@
-"""A second process attaches to the physical pool, sees the data and commits/releases pages."""
+"""A second process attaches to the physical pool (its fd passed on), sees the data and
+commits/releases pages."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from elastickv.vmm import HostBackend
 
 how, where, page_size = sys.argv[1], sys.argv[2], int(sys.argv[3])
 backend = HostBackend(page_size=page_size)
-vrange = backend.attach(int(where)) if how == "fd" else backend.open(where)
+vrange = backend.attach(int(where))
 base = vrange.base_address
 
 def first_byte(page):
@@ -64,10 +65,7 @@ def check_shared_pool(how: str) -> None:
         tensor[:page].fill_(0x11)
         tensor[page : 2 * page].fill_(0x22)
         fd = vrange.pool.fd
-        if how == "fd":
-            report = run_child("fd", str(fd), page, pass_fds=(fd,))
-        else:
-            report = run_child("path", vrange.pool.proc_path, page, pass_fds=())
+        report = run_child("fd", str(fd), page, pass_fds=(fd,))
 
         assert report["seen"] == [0x11, 0x22], "the child sees the parent's data"
         assert report["footprint"] == 2 * page, "child released page 0, committed page 3"
@@ -84,7 +82,3 @@ def check_shared_pool(how: str) -> None:
 
 def test_child_attaches_by_inherited_fd() -> None:
     check_shared_pool("fd")
-
-
-def test_child_attaches_by_proc_path() -> None:
-    check_shared_pool("path")

@@ -8,7 +8,6 @@ from elastickv.alloc.allocator import (
 )
 from elastickv.alloc.pagemap import PageMap
 from elastickv.alloc.policy import CapacityPolicy, FixedBudget, Unlimited
-from elastickv.alloc.precommit import PrecommitThread
 
 __all__ = [
     "NULL_BLOCK",
@@ -17,7 +16,6 @@ __all__ = [
     "CapacityPolicy",
     "FixedBudget",
     "PageMap",
-    "PrecommitThread",
     "Unlimited",
     "null_floor_bytes",
 ]

@@ -33,7 +33,6 @@ from elastickv.alloc.policy import CapacityPolicy, Unlimited
 from elastickv.vmm.errors import CommitError, ReleaseError
 
 if TYPE_CHECKING:
-    from elastickv.alloc.precommit import PrecommitThread
     from elastickv.geometry import KVCacheGeometry
     from elastickv.vmm.base import VirtualRange
 
@@ -125,8 +124,7 @@ def null_floor_bytes(page_map: PageMap, bytes_per_page: int | None = None) -> in
     """Bytes an allocator with a null block commits before it hands out anything: every page
     of the null block's slab. Known from the geometry alone, so a budget can be checked
     against it (and a refusal explained) before the allocator exists. ``bytes_per_page``
-    is what one page index costs (default: one page; several for a range sharded over
-    ranks)."""
+    is what one page index costs (default: one page; several for pages several ranks map)."""
     per_page = page_map.page_size if bytes_per_page is None else bytes_per_page
     return len(page_map.slab_pages[page_map.block_slab[NULL_BLOCK]]) * per_page
 
@@ -164,7 +162,6 @@ class BlockAllocator:
         min_hot_pages: int = 0,
         max_hot_pages: int | None = None,
         reserve_null_block: bool = True,
-        background_precommit: bool = False,
         page_map: PageMap | None = None,
     ) -> None:
         page_size = vmm_range.page_size
@@ -187,7 +184,8 @@ class BlockAllocator:
         self._range = vmm_range
         self._policy: CapacityPolicy = policy if policy is not None else Unlimited()
         self._page_size = page_size
-        # What the policy is charged per page index (page_size × ranks on a sharded range).
+        # What the policy is charged per page index (page_size × ranks for page grants that
+        # several ranks map).
         self._page_bytes = vmm_range.bytes_per_page
         self._min_hot = min_hot_pages
         self._max_hot = max_hot_pages
@@ -243,7 +241,6 @@ class BlockAllocator:
         # metrics histogram; None costs nothing.
         self.commit_observer: Callable[[float], None] | None = None
         self._null = NULL_BLOCK if reserve_null_block else None
-        self._precommit: PrecommitThread | None = None
         # The slab being filled, out of the buckets (-1: none). It is always warm and live, so
         # no page of it is hot and no commit or release touches it.
         self._cursor = -1
@@ -261,12 +258,7 @@ class BlockAllocator:
                 )
             self._first_live(slab)
             self._slab_live[slab] = 1
-        if background_precommit:
-            from elastickv.alloc.precommit import PrecommitThread
-
-            self._precommit = PrecommitThread(self)
-            self._precommit.start()
-        elif min_hot_pages:
+        if min_hot_pages:
             self.precommit()
 
     # -- queries ------------------------------------------------------------------------------
@@ -331,6 +323,36 @@ class BlockAllocator:
         slabs = -(-(n - self._warm_free) // pmap.typical_slab_blocks)
         pages = min(slabs * pmap.typical_slab_pages, self._touched_pages - self._num_committed)
         return self._policy.available_bytes() >= pages * self._page_bytes
+
+    def blocks_within(self, nbytes: int, cap: int | None = None) -> int:
+        """How many blocks :meth:`allocate` can hand out now while admitting at most
+        ``nbytes`` of new pages: ``allocate(k)`` succeeds for every ``k`` up to the answer
+        (when the policy admits ``nbytes``), and the answer is exact for the usual layouts.
+        ``cap``: stop counting there (the caller needs no more).
+
+        Why it holds: ``allocate`` takes warm blocks first, then cold slabs in the order
+        walked here (fewest uncommitted pages first) and commits the pages of each slab it
+        touches; this counts whole slabs in that order while their pages fit ``nbytes``
+        (pages two slabs share are counted twice: conservative)."""
+        with self._lock:
+            warm = self._warm_free  # the slab being filled is warm: counted here
+            cap = self._warm_free + self._cold_free if cap is None else cap
+            if warm >= cap or not self._cold_free:
+                return min(warm, cap)
+            pages = nbytes // self._page_bytes
+            total = warm
+            free = self._free
+            for missing, bucket in enumerate(self._cold):
+                if not missing or not bucket:
+                    continue
+                for slab in bucket:
+                    if missing > pages:
+                        return min(total, cap)
+                    pages -= missing
+                    total += len(free[slab])
+                    if total >= cap:
+                        return cap
+            return min(total, cap)
 
     def is_live(self, block: int) -> bool:
         return block in self._live
@@ -444,11 +466,6 @@ class BlockAllocator:
                     return None
                 blocks = grown
             self._allocations += 1
-            if (
-                self._precommit is not None
-                and self._hot_own + len(self._hot_shared) < self._min_hot
-            ):
-                self._precommit.wake()
             return blocks
         finally:
             token.append(None)  # :meth:`_TokenLock.release`, inlined
@@ -799,8 +816,6 @@ class BlockAllocator:
             self._min_hot, self._max_hot = min_hot_pages, max_hot_pages
             if self._num_hot > max_hot_pages:
                 self._shrink_hot(max_hot_pages)
-        if self._precommit is not None:
-            self._precommit.wake()
 
     def trim(self, keep_pages: int = 0) -> int:
         """Release hot-reserve pages down to ``keep_pages``; returns how many were released."""
@@ -813,25 +828,18 @@ class BlockAllocator:
         prompts, its running requests' next blocks). Until it drops, freed pages stay hot up
         to the pages ``blocks`` blocks take (``hot_reserve_cap``), even beyond
         ``max_hot_pages``: an engine at its limit with requests waiting would otherwise
-        release the pages a finished request frees and commit them again a step later. With
-        the background thread, cold slabs are also committed ahead of that demand, so the
-        step that needs them does not wait for the commit; never past the policy. Hot pages
-        beyond the cap go back once the forecast drops: at once without the thread, at its
-        next round with it. Once per scheduler step: no lock unless pages go back, and an
-        unchanged forecast without the thread returns at once (every free already keeps the
-        reserve at the cap this forecast set)."""
-        thread = self._precommit
-        if blocks == self._forecast and thread is None:
+        release the pages a finished request frees and commit them again a step later. Hot
+        pages beyond the cap go back at once when the forecast drops. Once per scheduler
+        step: no lock unless pages go back, and an unchanged forecast returns at once (every
+        free already keeps the reserve at the cap this forecast set)."""
+        if blocks == self._forecast:
             return
         if blocks < 0:
             raise ValueError(f"a forecast is a number of blocks >= 0, got {blocks}")
         self._forecast = blocks
         # Pages ``blocks`` blocks take at this geometry's density (rounded up).
         self._forecast_pages = -(-blocks * self._touched_pages // self._num_blocks)
-        if thread is not None:
-            if blocks > self._warm_free or self._num_hot > self.hot_reserve_cap:
-                thread.wake()
-        elif self._num_hot > self.hot_reserve_cap:  # the demand dropped: keep no more
+        if self._num_hot > self.hot_reserve_cap:  # the demand dropped: keep no more
             with self._lock:
                 self._check_in()
                 self._cap_reserve()
@@ -847,17 +855,11 @@ class BlockAllocator:
         :meth:`forecast` while that is larger."""
         return max(self._max_hot, self._forecast_pages)
 
-    @property
-    def precommits_in_background(self) -> bool:
-        """Whether a background thread commits ahead of demand (:meth:`forecast` acts)."""
-        return self._precommit is not None
-
     def precommit(self) -> int:
         """Commit whole cold slabs until the hot reserve reaches ``min_hot_pages`` and the free
         blocks on committed pages cover the forecast (never past ``max_hot_pages`` or the
         pages of the forecast, whichever is larger), then release hot pages beyond that
-        (a forecast that dropped); returns the pages committed. The background thread calls
-        this."""
+        (a forecast that dropped); returns the pages committed."""
         cap = self.hot_reserve_cap
         if (
             self._min_hot <= self._num_hot <= cap and self._warm_free >= self._forecast
@@ -1024,11 +1026,8 @@ class BlockAllocator:
     # -- lifetime -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the background thread and release every page this allocator committed
-        (live blocks included: the caller is done with the cache). Idempotent."""
-        if self._precommit is not None:
-            self._precommit.stop()
-            self._precommit = None
+        """Release every page this allocator committed (live blocks included: the caller is
+        done with the cache). Idempotent."""
         with self._lock:
             if self._closed:
                 return

@@ -553,6 +553,48 @@ class Ledger:
         finally:
             self._exit()
 
+    def _settle(self, handle: InstanceHandle, committed: int, credit: int) -> int:
+        segment = self._enter()
+        try:
+            raw = self._own_raw(segment, handle)
+            raw[F_REFUSALS] += handle._take_local_refusals()
+            held = raw[F_COMMITTED] + raw[F_RESERVED]
+            if committed > held:
+                raise ValueError(
+                    f"instance {handle.name!r} reports {committed} bytes committed but holds "
+                    f"only {held} (committed and credit) in the ledger"
+                )
+            slot = handle.slot
+            limit = raw[F_LIMIT]
+            budget = segment.header.budget_bytes
+            cap = budget if limit < 0 else min(limit, budget)
+            granted = min(credit, max(0, cap - committed))
+            if committed + granted > held:
+                # Growth: it must also fit beside every other instance (dead ones reclaimed
+                # first, so that they never hold a live one back).
+                if time.monotonic_ns() - segment.last_sweep_ns > SWEEP_INTERVAL_NS:
+                    self._sweep(segment)
+                room = budget - self._others_used(segment, slot) - committed
+                if room < granted and self._sweep(segment):
+                    room = budget - self._others_used(segment, slot) - committed
+                granted = max(0, min(granted, room))
+            if granted < credit and committed + credit > held:
+                raw[F_REFUSALS] += 1  # the growth asked for was refused (in part)
+            if committed > raw[F_COMMITTED]:
+                raw[F_ADMISSIONS] += 1
+            elif committed < raw[F_COMMITTED]:
+                raw[F_RELEASES] += 1
+            raw[F_COMMITTED] = committed
+            raw[F_RESERVED] = granted
+            raw[F_PEAK] = max(raw[F_PEAK], committed + granted)
+            write_raw(segment.mm, record_offset(slot), raw)
+            segment.bump_generation()
+            handle._committed = committed
+            handle._reserved = granted
+            return granted
+        finally:
+            self._exit()
+
     def _set_floor(self, handle: InstanceHandle, nbytes: int) -> None:
         segment = self._enter()
         try:
@@ -633,9 +675,10 @@ class Ledger:
         """Set instance ``name``'s limit (bytes, ``"2G"``, ``"30%"`` of the budget, or None for
         none); returns the new revision.
 
-        A shrink takes effect at once for admission and for the reserve (which is cut so that
-        committed + reserved fits); committed bytes above the new limit stay until the owner
-        releases them (it sees ``over_limit_bytes``), and no growth is admitted meanwhile.
+        A shrink takes effect at once for admission; what the instance holds above the new
+        limit, committed or reserved (its credit: room it may already have counted on), stays
+        until the owner gives it back (it sees ``over_limit_bytes``: credit first, then
+        pages), and no growth is admitted meanwhile. Only the owner changes its own reserve.
         Raising or removing the limit re-enables growth immediately. With
         ``expected_revision``, the change applies only if nobody changed the limit since
         (else ``StaleRevision``).
@@ -655,21 +698,15 @@ class Ledger:
                 raise StaleRevision(name, expected_revision, record.limit_revision)
             if desired is not None and desired < record.floor:
                 raise LimitBelowFloor(name, desired, record.floor)
-            budget = segment.header.budget_bytes
-            cap = budget if desired is None else min(desired, budget)
-            reserved = max(0, min(record.reserved, cap - record.committed))
             revision = record.limit_revision + 1
             self._write(
                 segment,
                 slot,
-                dataclasses.replace(
-                    record, limit_desired=desired, limit_revision=revision, reserved=reserved
-                ),
+                dataclasses.replace(record, limit_desired=desired, limit_revision=revision),
             )
             segment.bump_generation()
             handle = self._handles.get(slot)
             if handle is not None and handle.nonce == record.nonce:
-                handle._reserved = reserved
                 handle._saw_limit(NO_LIMIT if desired is None else desired, revision)
             return revision
         finally:
@@ -858,6 +895,29 @@ class InstanceHandle:
         _check_bytes(nbytes)
         self._check_open()
         return self._ledger._set_reserved(self, nbytes)
+
+    def settle(self, committed: int, credit: int) -> int:
+        """Publish this instance's committed bytes (its own exact count, which may have grown
+        from its credit or shrunk since the last call) and ask for ``credit`` bytes of credit:
+        room held ahead of demand, counted as reserved by the limit and the device budget.
+        Returns the credit granted: ``credit``, or as much of it as the live limit and the
+        device budget allow now (0 when the instance is at or over its limit). What the
+        record holds in all (committed and credit) grows only when it fits; a lowered limit
+        takes credit back first. ``committed`` may never exceed what the record holds."""
+        _check_bytes(committed)
+        _check_bytes(credit)
+        self._check_open()
+        return self._ledger._settle(self, committed, credit)
+
+    def limit_allows(self, nbytes: int) -> bool:
+        """Whether holding ``nbytes`` in all (committed and credit) may fit this instance's
+        limit, answered without the ledger's lock from the limit its last ledger operation
+        read, while that view is under ``LIMIT_VIEW_NS`` old and the limit's revision is
+        unchanged (else True: only the ledger can say). An engine at its limit asks for
+        credit on every step while requests wait; this answers it locally, as
+        :meth:`try_admit` refuses growth (not counted as a refusal: nothing was asked)."""
+        limit = self._limit_seen
+        return limit < 0 or nbytes <= limit or not self._limit_view_current(LIMIT_VIEW_NS)
 
     def set_floor_bytes(self, nbytes: int) -> None:
         """Publish what this instance holds for its whole life (e.g. a KV cache's null block):

@@ -26,7 +26,6 @@ from elastickv.vmm.errors import (
     VmmError,
 )
 from elastickv.vmm.host import HostBackend, HostPool, HostRange, host_granularity
-from elastickv.vmm.sharded import ShardedRange
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -43,7 +42,6 @@ __all__ = [
     "RangeInfo",
     "ReleaseError",
     "ReservationError",
-    "ShardedRange",
     "VirtualRange",
     "VmmBackend",
     "VmmError",

@@ -233,35 +233,11 @@ class HostPool:
             os.close(own)
             raise
 
-    @classmethod
-    def open(
-        cls, path: str, *, page_size: int = DEFAULT_PAGE_SIZE, libc: LibC | None = None
-    ) -> HostPool:
-        """Open a pool by path, typically another process's ``/proc/<pid>/fd/<n>``."""
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as exc:
-            raise ReservationError(
-                f"cannot open pool {path!r}: {describe_errno(exc.errno or 0)}; the owning "
-                "process must be alive and you need permission to read its fds",
-                errno=exc.errno,
-            ) from exc
-        try:
-            return cls(fd, page_size=page_size, libc=libc)
-        except BaseException:
-            os.close(fd)
-            raise
-
     @property
     def fd(self) -> int:
         """The pool's descriptor in this process (for ``pass_fds`` or ``SCM_RIGHTS``)."""
         self._check_open()
         return self._fd
-
-    @property
-    def proc_path(self) -> str:
-        """A path another process of the same user can :meth:`open`."""
-        return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     @property
     def size_bytes(self) -> int:
@@ -569,10 +545,6 @@ class HostBackend(VmmBackend):
     def attach(self, fd: int) -> HostRange:
         """A new range (in this process) over the existing pool behind ``fd``; fd is duplicated."""
         return self._range_over(HostPool.attach(fd, page_size=self.page_size, libc=self._libc))
-
-    def open(self, path: str) -> HostRange:
-        """A new range over the pool at ``path`` (e.g. ``/proc/<pid>/fd/<n>`` of its owner)."""
-        return self._range_over(HostPool.open(path, page_size=self.page_size, libc=self._libc))
 
     def _range_over(self, pool: HostPool) -> HostRange:
         try:

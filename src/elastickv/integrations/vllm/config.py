@@ -41,11 +41,6 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "most physical KV bytes this engine may commit: 2G, 30% (of the device budget) or none",
     ),
     "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
-    "precommit": (
-        "ELASTICKV_PRECOMMIT",
-        "commit pages ahead of the scheduler's foreseeable demand, in a background thread "
-        "(default 0)",
-    ),
     "instance_name": (
         "ELASTICKV_INSTANCE",
         "name in the ledger / `elastickv list` (default: served model name and port)",
@@ -111,7 +106,6 @@ class ElasticConfig:
     virtual_capacity_bytes: int | None = None
     budget_bytes: int | None = None
     strict: bool = True
-    precommit: bool = False
     instance_name: str | None = None
     check_commits: bool = False
     ledger_dir: str | None = None
@@ -133,12 +127,6 @@ class ElasticConfig:
             raise ElasticKVStartupError(
                 "need 0 <= ELASTICKV_HOT_MIN_PAGES <= ELASTICKV_HOT_MAX_PAGES, got "
                 f"{self.hot_min_pages} and {self.hot_max_pages}"
-            )
-        if self.precommit and self.check_commits:
-            raise ElasticKVStartupError(
-                "ELASTICKV_PRECOMMIT=1 and ELASTICKV_CHECK_COMMITS=1 cannot be used together: "
-                "the check compares the pool's footprint before and after each forward, and "
-                "pre-commits change it while the forward runs; set one of them to 0"
             )
         if self.budget_bytes is not None and self.budget_percent is not None:
             raise ElasticKVStartupError("set ELASTICKV_BUDGET as a size or a percentage, not both")
@@ -266,7 +254,6 @@ class ElasticConfig:
         budget_bytes, budget_percent = _budget(get("budget_bytes"))
         strict_text = get("strict")
         check_text = get("check_commits")
-        precommit_text = get("precommit")
         wait_text = get("nixl_progress_wait_ms")
         return cls(
             page_size=size("page_size") or DEFAULT_PAGE_SIZE,
@@ -276,8 +263,6 @@ class ElasticConfig:
             budget_bytes=budget_bytes,
             budget_percent=budget_percent,
             strict=True if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
-            precommit=precommit_text is not None
-            and _parse_bool("ELASTICKV_PRECOMMIT", precommit_text),
             instance_name=get("instance_name"),
             check_commits=check_text is not None
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),

@@ -1,15 +1,20 @@
 """Engine-core hooks (the same in vLLM 0.28 and 0.32).
 
 ``EngineCore._initialize_kv_caches`` runs in the process that then builds the scheduler,
-right after the workers allocated their KV caches. We wrap it to ask the worker (by
-``collective_rpc`` method name) where its pool is and, when the worker is another process,
-open that pool and publish a store for the scheduler's :class:`ElasticBlockPool`. Doing it
-here keeps the order vLLM already guarantees: pool exists → scheduler built → blocks handed
-out.
+right after the workers placed their KV caches. We wrap it to ask every worker (by
+``collective_rpc`` method name) for its export and publish the scheduler's store: the page
+grants its workers follow, registered in the ledger of their device. Doing it here keeps the
+order vLLM already guarantees: KV caches placed → scheduler built → blocks handed out.
+
+``EngineCore.step`` (and ``step_with_batch_queue``): a step after which the engine has no
+request left (and none in flight) gives its credit back and hands the page operations made
+since its ``SchedulerOutput`` (the blocks its last requests freed) to the workers at once,
+instead of with a next step that may not come (an in-process ``LLM`` has no idle ticks).
 
 ``EngineCoreProc.run_busy_loop`` (the engine core as its own process) gets two guards: a
-limit lowered while the engine idles is applied from the engine's own thread
-(:mod:`.idle_ticks`), and the engine core stops when its parent dies (:mod:`.watchdog`).
+limit lowered while the engine idles is applied from the engine's own thread, and its pages
+released in the workers (:mod:`.idle_ticks`), and the engine core stops when its parent dies
+(:mod:`.watchdog`).
 """
 
 from __future__ import annotations
@@ -18,31 +23,32 @@ import logging
 import multiprocessing
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.idle_ticks import tick_while_idle
-from elastickv.integrations.vllm.registration import describe_engine
-from elastickv.integrations.vllm.shared_pool import (
+from elastickv.integrations.vllm.kv_export import (
+    APPLY_METHOD,
     EXPORT_METHOD,
-    IN_PROCESS,
-    PoolExport,
+    KVExport,
     geometry_from_wire,
-    open_exported,
 )
+from elastickv.integrations.vllm.registration import describe_engine
 from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
 from elastickv.integrations.vllm.watchdog import ParentWatchdog
-from elastickv.vmm import HostRange, ShardedRange, VirtualRange
+
+if TYPE_CHECKING:
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
 
 logger = logging.getLogger(__name__)
 
 
 def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFactory) -> None:
-    """Publish the scheduler's store over every worker rank's pool in ``replies``; fail
+    """Publish the scheduler's store for the workers whose exports are ``replies``; fail
     closed. Under tensor parallelism each rank holds its shard of the KV heads in the same
-    geometry, so one allocator drives all ranks through a :class:`ShardedRange`."""
+    geometry, so one grant of page ``i`` stands for page ``i`` on every rank."""
     if not replies:
         raise ElasticKVStartupError("internal: the engine has no KV-cache worker to attach to")
     missing = [rank for rank, reply in enumerate(replies) if reply is None]
@@ -52,8 +58,9 @@ def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFac
             "the elastickv plugin loaded in every worker process, with the same ELASTICKV "
             "settings?)"
         )
-    exports = [PoolExport.from_wire(reply) for reply in replies]
-    geometry = geometry_from_wire(exports[0].geometry)
+    exports = [KVExport.from_wire(reply) for reply in replies]
+    first = exports[0]
+    geometry = geometry_from_wire(first.geometry)
     for rank, export in enumerate(exports[1:], start=1):
         if geometry_from_wire(export.geometry) != geometry:
             raise ElasticKVStartupError(
@@ -62,33 +69,45 @@ def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFac
                 "needs every rank of an engine to hold the same blocks in the same geometry "
                 "(pipeline parallelism is not supported)"
             )
-    first = exports[0]
-    if len(exports) == 1 and first.mapping == IN_PROCESS and first.pid == os.getpid():
-        store = REGISTRY.require()
-        if store.geometry != geometry:
-            raise ElasticKVStartupError("internal: the worker's geometry differs from its store")
-        return
-    ranges: list[HostRange] = []
-    try:
-        for export in exports:
-            ranges.append(open_exported(config, export))
-    except BaseException:
-        for opened in ranges:
-            opened.close()
-        raise
-    vmm_range: VirtualRange = ranges[0] if len(ranges) == 1 else ShardedRange(ranges)
-    REGISTRY.publish(
-        ElasticStore.over(config, geometry, vmm_range, first.size_bytes, policy_factory)
+        if (export.size_bytes, export.page_size) != (first.size_bytes, first.page_size):
+            raise ElasticKVStartupError(
+                f"worker rank {rank} holds {export.size_bytes} bytes in {export.page_size}-byte "
+                f"pages but rank 0 {first.size_bytes} in {first.page_size}-byte pages; every "
+                "vLLM process of an engine must see the same ELASTICKV settings"
+            )
+    if first.page_size != config.page_size:
+        raise ElasticKVStartupError(
+            f"the workers use {first.page_size}-byte pages but the engine core "
+            f"{config.page_size}; every vLLM process must see the same ELASTICKV_PAGE_SIZE"
+        )
+    devices = sorted({export.device for export in exports})
+    if len(devices) > 1:
+        raise ElasticKVStartupError(
+            f"the workers of this engine charge their KV pages to the ledgers of several "
+            f"devices ({', '.join(devices)}); elastickv supports an engine on one device's "
+            "ledger (its workers on one host, or tensor parallelism on one GPU) for now"
+        )
+    store = ElasticStore.for_workers(
+        config, geometry, first.size_bytes, len(exports), devices[0], policy_factory
     )
+    REGISTRY.publish(store)
     logger.info(
-        "elastickv: scheduler (pid %d) drives the KV pools of %d worker rank(s), pids %s "
-        "(%d bytes each, %d-byte pages)",
+        "elastickv: scheduler (pid %d) grants the KV pages of %d worker rank(s), pids %s "
+        "(%d bytes each, %d-byte pages); each maps them in its own process",
         os.getpid(),
         len(exports),
         ", ".join(str(export.pid) for export in exports),
-        ranges[0].size_bytes,
+        first.size_bytes,
         first.page_size,
     )
+
+
+def flush_page_ops(engine_core: Any, pool: ElasticBlockPool) -> None:
+    """Hand the page operations not yet sent to the workers, and have them release what they
+    still hold: the engine has no step in flight and none may come soon."""
+    ops = pool.take_page_ops()
+    if ops is not None:
+        engine_core.collective_rpc(APPLY_METHOD, args=(ops,))
 
 
 def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
@@ -103,7 +122,26 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
         return _initialize_kv_caches
 
+    def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(self, *args, **kwargs)
+            pool = _grants_pool(self)
+            if (
+                pool is not None
+                and not pool.idle
+                and not self.scheduler.has_unfinished_requests()
+                and not getattr(self, "batch_queue", None)
+            ):
+                pool.went_idle()
+                flush_page_ops(self, pool)
+            return result
+
+        return step
+
     wrap_method(EngineCore, "_initialize_kv_caches", init_wrapper)
+    wrap_method(EngineCore, "step", step_wrapper)
+    if hasattr(EngineCore, "step_with_batch_queue"):
+        wrap_method(EngineCore, "step_with_batch_queue", step_wrapper)
 
     from vllm.v1.engine.core import EngineCoreProc
 
@@ -117,19 +155,29 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
     wrap_method(EngineCoreProc, "run_busy_loop", loop_wrapper)
 
 
+def _grants_pool(engine_core: Any) -> ElasticBlockPool | None:
+    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+
+    scheduler = getattr(engine_core, "scheduler", None)
+    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
+    return pool if isinstance(pool, ElasticBlockPool) else None
+
+
 def guard_process(engine_core: Any) -> None:
     """Before the engine core's loop: the parent watchdog (when vLLM started this process as
     a child) and idle ticks that apply the live limit (when the scheduler is elastic)."""
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None:
         ParentWatchdog(parent.pid).start()
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    pool = _grants_pool(engine_core)
+    if pool is None:
+        return
 
-    scheduler = getattr(engine_core, "scheduler", None)
-    pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
-    if isinstance(pool, ElasticBlockPool) and not tick_while_idle(
-        getattr(engine_core, "input_queue", None), pool.idle_tick
-    ):
+    def idle() -> None:
+        pool.idle_tick()
+        flush_page_ops(engine_core, pool)
+
+    if not tick_while_idle(getattr(engine_core, "input_queue", None), idle):
         logger.warning(
             "elastickv: cannot watch this engine core's input queue; a limit lowered while "
             "it idles applies at its next request"

@@ -66,7 +66,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
                 worker_v032,
             )
 
-            worker_v032.install(config, policy_factory)
+            worker_v032.install(config)
             engine_core.install(config, policy_factory)
             scheduler_hooks.install()
             # NIXL: refuse other layouts, hold unread blocks, the progress thread's wait.
@@ -74,7 +74,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
         elif contract is Contract.V028:
             from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028
 
-            worker_v028.install(config, policy_factory)
+            worker_v028.install(config)
             engine_core.install(config, policy_factory)  # same EngineCore hook in 0.28
             scheduler_v028.install()
     logger.debug(

@@ -2,7 +2,8 @@
 
 The process that owns the scheduler-side block allocator (the engine core; in-process the
 only process) registers the engine when its elastic store is created, and every page the
-allocator commits is admitted through the ledger (:class:`LedgerPolicy`). ``ELASTICKV_BUDGET``
+allocator commits is admitted from credit the engine holds in the ledger
+(:class:`~elastickv.control.credit.CreditPolicy`). ``ELASTICKV_BUDGET``
 becomes the instance limit; an operator changes it live with ``elastickv limit NAME SIZE``
 and the scheduler applies it once per step (:meth:`EngineRegistration.sync_limit`). The
 record goes away on a clean engine shutdown, at process exit, and — should the process die
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from elastickv.control import DuplicateInstance, InstanceHandle, Ledger, LedgerError, open_ledger
-from elastickv.control.policy import LedgerPolicy
+from elastickv.control.credit import CreditPolicy
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 
@@ -93,15 +94,15 @@ def describe_engine(vllm_config: Any) -> None:
 class EngineRegistration:
     """This process's engine in the ledger: the handle, its policy, optional metrics."""
 
-    def __init__(self, config: ElasticConfig, name: str | None) -> None:
+    def __init__(self, config: ElasticConfig, name: str | None, device: str = "host") -> None:
         self.config = config
-        self.ledger: Ledger = open_ledger("host", directory=config.ledger_dir)
+        self.ledger: Ledger = open_ledger(device, directory=config.ledger_dir)
         try:
             self.handle: InstanceHandle = self._register(name)
         except BaseException:
             self.ledger.close()
             raise
-        self.policy = LedgerPolicy(self.handle)
+        self.policy = CreditPolicy(self.handle)
         self.allocator: BlockAllocator | None = None
         self.metrics: InstanceMetrics | None = None
         self.server: MetricsServer | None = None
@@ -188,11 +189,12 @@ class EngineRegistration:
         logger.info("elastickv: unregistered %r", self.handle.name)
 
 
-def register_engine(config: ElasticConfig) -> EngineRegistration:
-    """Register the engine whose store is being created in this process (see module doc)."""
+def register_engine(config: ElasticConfig, device: str = "host") -> EngineRegistration:
+    """Register the engine whose store is being created in this process in the ledger of
+    ``device`` (see module doc)."""
     with _lock:
         hint = _hint
-    registration = EngineRegistration(config, hint)
+    registration = EngineRegistration(config, hint, device)
     with _lock:
         _live.append(registration)
     logger.debug(

@@ -39,7 +39,7 @@ def log_startup(
         else "no ledger"
     )
     if store.ranks > 1:
-        where += f", {store.ranks} tensor-parallel ranks committed together"
+        where += f", every page granted to its {store.ranks} tensor-parallel ranks"
     logger.info(
         "elastickv %s on vLLM %s (%s contract): %s; %d KV blocks in a virtual %s, pages of "
         "%s committed on demand (floor %s), budget %s",

@@ -1,10 +1,10 @@
-"""One engine's elastic KV storage: the host range behind vLLM's KV tensor, its geometry, and
-the capacity policy that admits every page commit.
+"""One engine's elastic KV storage as its scheduler sees it: the geometry, the page grants
+its workers follow, and the capacity policy that admits every page.
 
-In-process the worker creates it (it allocates the KV tensor) and the scheduler's block pool
-builds its block allocator over it, both through :data:`REGISTRY` — the one piece of module
-state the plugin needs. In multiprocess mode the engine core builds its own store over the
-worker's pool (:mod:`elastickv.integrations.vllm.shared_pool`) and publishes it the same way.
+The engine core builds it from its workers' exports (:mod:`.kv_export`) once they placed
+their KV caches, and publishes it through :data:`REGISTRY` — the one piece of module state
+the plugin needs — for the scheduler's :class:`ElasticBlockPool`. It holds no memory: each
+worker maps the pages granted here in its own range (see :mod:`elastickv.vmm.grants`).
 """
 
 from __future__ import annotations
@@ -14,28 +14,31 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from elastickv.alloc import BlockAllocator, CapacityPolicy, FixedBudget, Unlimited
 from elastickv.geometry import KVCacheGeometry
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.vmm import HostBackend, ShardedRange, VirtualRange
+from elastickv.vmm.base import round_up
+from elastickv.vmm.grants import PageGrants
 
-PolicyFactory = Callable[[ElasticConfig], CapacityPolicy]
+# The engine's config and the ledger device its pages are charged to (``host`` or
+# ``cuda-<UUID>``) → the policy admitting them.
+PolicyFactory = Callable[[ElasticConfig, str], CapacityPolicy]
 
 
-def default_policy(config: ElasticConfig) -> CapacityPolicy:
-    """The engine's ledger record (registered now, in the scheduler's process): every commit
-    is admitted under its live limit (``ELASTICKV_BUDGET`` at start) and the device budget."""
+def default_policy(config: ElasticConfig, device: str) -> CapacityPolicy:
+    """The engine's ledger record on ``device`` (registered now, in the scheduler's process):
+    every page is admitted from credit under its live limit (``ELASTICKV_BUDGET`` at start)
+    and the device budget."""
     from elastickv.integrations.vllm.registration import register_engine
 
-    return register_engine(config).policy
+    return register_engine(config, device).policy
 
 
-def local_policy(config: ElasticConfig) -> CapacityPolicy:
+def local_policy(config: ElasticConfig, device: str) -> CapacityPolicy:
     """Without the ledger: a local byte budget when one is set (a percentage is of this
     host's physical memory, there being no device budget), else unlimited (counted)."""
+    del device
     if config.budget_bytes is not None:
         return FixedBudget(config.budget_bytes)
     if config.budget_percent is not None:
@@ -46,52 +49,35 @@ def local_policy(config: ElasticConfig) -> CapacityPolicy:
 
 @dataclass(frozen=True)
 class ElasticStore:
-    """The storage of one engine's KV cache (immutable; the range's pages are its state)."""
+    """The scheduler's side of one engine's KV cache (immutable; the grants are its state)."""
 
     config: ElasticConfig
     geometry: KVCacheGeometry
-    vmm_range: VirtualRange
+    vmm_range: PageGrants
     policy: CapacityPolicy
     size_bytes: int
+    device: str
 
     @classmethod
-    def create(
+    def for_workers(
         cls,
         config: ElasticConfig,
         geometry: KVCacheGeometry,
         size_bytes: int,
-        policy_factory: PolicyFactory = default_policy,
+        ranks: int,
+        device: str,
+        policy_factory: PolicyFactory,
     ) -> ElasticStore:
-        """Reserve ``size_bytes`` (rounded up to pages) with nothing committed."""
+        """Page grants for ``ranks`` workers each holding ``size_bytes`` in ``geometry``."""
         if geometry.backing_bytes > size_bytes:
             raise ElasticKVStartupError(
-                f"the KV tensor ({size_bytes} bytes) is smaller than its geometry needs "
-                f"({geometry.backing_bytes})"
+                f"the workers' KV pools ({size_bytes} bytes) are smaller than their geometry "
+                f"needs ({geometry.backing_bytes})"
             )
-        backend = HostBackend(config.page_size, strict=config.strict)
-        vmm_range = backend.reserve(size_bytes)
-        return cls(config, geometry, vmm_range, policy_factory(config), size_bytes)
-
-    @classmethod
-    def over(
-        cls,
-        config: ElasticConfig,
-        geometry: KVCacheGeometry,
-        vmm_range: VirtualRange,
-        size_bytes: int,
-        policy_factory: PolicyFactory = default_policy,
-    ) -> ElasticStore:
-        """The scheduler's store over a range another process reserved (multiprocess mode)."""
-        if geometry.backing_bytes > vmm_range.size_bytes:
-            raise ElasticKVStartupError(
-                f"the worker's KV pool ({vmm_range.size_bytes} bytes) is smaller than its "
-                f"geometry needs ({geometry.backing_bytes})"
-            )
-        return cls(config, geometry, vmm_range, policy_factory(config), size_bytes)
-
-    def backing(self) -> torch.Tensor:
-        """vLLM's ``torch.zeros(size, int8)``, over the range: fresh memfd pages read as 0."""
-        return self.vmm_range.as_tensor().view(torch.int8)[: self.size_bytes]
+        # Each worker commits the null block's pages when it places its KV cache.
+        held = geometry.block_pages(0, config.page_size)
+        grants = PageGrants(round_up(size_bytes, config.page_size), config.page_size, ranks, held)
+        return cls(config, geometry, grants, policy_factory(config, device), size_bytes, device)
 
     def make_allocator(self) -> BlockAllocator:
         """The allocator the scheduler's block pool places blocks with (block 0 = null)."""
@@ -102,23 +88,12 @@ class ElasticStore:
             min_hot_pages=self.config.hot_min_pages,
             max_hot_pages=self.config.hot_max_pages,
             reserve_null_block=True,
-            background_precommit=self.config.precommit,
         )
 
     @property
     def ranks(self) -> int:
-        """Worker ranks whose pools this store commits together (tensor parallelism)."""
-        return len(self.rank_ranges())
-
-    def rank_ranges(self) -> tuple[VirtualRange, ...]:
-        """Each rank's own range, rank order (one range without tensor parallelism)."""
-        vmm_range = self.vmm_range
-        return vmm_range.shards if isinstance(vmm_range, ShardedRange) else (vmm_range,)
-
-    def footprint_bytes(self) -> int:
-        """What the kernel holds for the pool (memfd ``st_blocks``, summed over the ranks),
-        not our own count."""
-        return self.vmm_range.footprint_bytes()
+        """Worker ranks that each map every granted page (tensor parallelism)."""
+        return self.vmm_range.ranks
 
 
 class StoreRegistry:

@@ -2,13 +2,16 @@
 
 Each contract's module (:mod:`.worker_v028`, :mod:`.worker_v032`) supplies only the three
 wrappers that differ (available memory, the persistent-allocation mark, the KV tensor
-placement); this module places the pool (in-process store or a pool the engine core attaches
-to), publishes it, installs the wrappers on vLLM's CPU classes, checks vLLM's views against
-the geometry (:func:`verify_views`), and adds the export RPC and the optional commit check.
+placement); this module places the worker's own KV storage (:mod:`.worker_kv`), installs the
+wrappers on vLLM's CPU classes, checks vLLM's views against the geometry
+(:func:`verify_views`), maps the pages each step was granted before it runs, and adds the two
+RPCs the engine core calls: the export (where the cache is, its geometry) and the page
+operations of an engine going idle.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -19,51 +22,31 @@ from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
-from elastickv.integrations.vllm.registration import describe_engine
-from elastickv.integrations.vllm.shared_pool import (
-    EXPORT_METHOD,
-    IN_PROCESS,
-    PoolExport,
-    WorkerPool,
-    geometry_to_wire,
-)
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
-from elastickv.vmm import HostRange
+from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
+from elastickv.integrations.vllm.worker_kv import PageMapError, WorkerKV
+from elastickv.vmm.grants import PageOps
 
 if TYPE_CHECKING:
     import torch
 
+logger = logging.getLogger(__name__)
 PERSISTENT_MARK = "_elastickv_persistent_kv"
-_POOL = "_elastickv_kv_pool"
-_EXPORT = "_elastickv_kv_export"
+_KV = "_elastickv_kv"
 _CHECK = "_elastickv_commit_check"
 
 
-def attach_placement(
-    runner: Any,
-    config: ElasticConfig,
-    placed: ElasticStore | WorkerPool,
-    geometry: KVCacheGeometry,
-    size: int,
-) -> None:
-    """Hand the placed pool to the scheduler: in-process through the registry, across processes
-    as the export the engine core fetches by RPC. Shared by both vLLM contracts."""
-    if isinstance(placed, ElasticStore):
-        REGISTRY.publish(placed)
-        export = PoolExport(
-            pid=os.getpid(),
-            fd=export_fd(placed),
-            size_bytes=size,
-            page_size=config.page_size,
-            mapping=IN_PROCESS,
-            geometry=geometry_to_wire(geometry),
-        )
-    else:
-        export = placed.export(geometry)
-    setattr(runner, _POOL, placed)  # keeps the pool (and its fd) alive with the runner
-    setattr(runner, _EXPORT, export)
-    if config.check_commits:
-        setattr(runner, _CHECK, CommitCheck(export_fd(placed)))
+def attach_placement(runner: Any, config: ElasticConfig, kv: WorkerKV) -> None:
+    """Keep the placed storage with the runner: the export RPC, each step's page operations
+    and the optional commit check find it there."""
+    setattr(runner, _KV, kv)
+    if config.check_commits and kv.fd >= 0:
+        setattr(runner, _CHECK, CommitCheck(kv.fd))
+
+
+def runner_kv(runner: Any) -> WorkerKV | None:
+    """The elastic KV storage of a model runner (None for a native one)."""
+    kv: WorkerKV | None = getattr(runner, _KV, None)
+    return kv
 
 
 def install_runner_hooks(
@@ -73,57 +56,82 @@ def install_runner_hooks(
     tensors_wrapper: Callable[..., Any],
 ) -> None:
     """Wrap the CPU worker and model runner (the same classes in both contracts) with one
-    contract's hooks, plus the export RPC and the optional commit check they share."""
+    contract's hooks, plus what they share: each step's page operations mapped before it
+    runs (and the optional commit check), the export and the idle page-operations RPCs."""
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            check: CommitCheck | None = getattr(self, _CHECK, None)
-            if check is None:
+            kv: WorkerKV | None = getattr(self, _KV, None)
+            if kv is None:
                 return original(self, scheduler_output, *args, **kwargs)
-            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
+            ops = getattr(scheduler_output, PAGE_OPS_ATTR, None)
+            try:
+                kv.apply(ops)
+            except PageMapError as exc:
+                stop_engine(self, exc)
+                raise
+            check: CommitCheck | None = getattr(self, _CHECK, None)
+            try:
+                if check is None:
+                    return original(self, scheduler_output, *args, **kwargs)
+                return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
+            finally:
+                kv.follower.step_queued()
 
         return execute_model
 
     def export_kv_pool(self: Any) -> dict[str, Any] | None:
-        """RPC for the engine core: where this worker's KV pool is (None if not elastic)."""
-        export: PoolExport | None = getattr(self.model_runner, _EXPORT, None)
-        return None if export is None else export.to_wire()
+        """RPC for the engine core: where this worker's KV cache is (None if not elastic)."""
+        kv = runner_kv(self.model_runner)
+        return None if kv is None else kv.export().to_wire()
 
-    if not hasattr(CPUWorker, EXPORT_METHOD):
-        setattr(CPUWorker, EXPORT_METHOD, export_kv_pool)
+    def apply_page_ops(self: Any, ops: PageOps | None) -> int:
+        """RPC for the engine core going idle: apply ``ops`` and release every page held;
+        returns the pages this worker holds committed now."""
+        kv = runner_kv(self.model_runner)
+        if kv is None:
+            return 0
+        try:
+            kv.apply(ops)
+            kv.settle()
+        except PageMapError as exc:
+            stop_engine(self.model_runner, exc)
+            raise
+        return kv.vmm_range.num_committed
+
+    for name, method in ((EXPORT_METHOD, export_kv_pool), (APPLY_METHOD, apply_page_ops)):
+        if not hasattr(CPUWorker, name):
+            setattr(CPUWorker, name, method)
     wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
     wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
     wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
-    if config.check_commits:
-        wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
+    wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
 
 
-def place(
-    runner: Any,
-    config: ElasticConfig,
-    geometry: KVCacheGeometry,
-    size: int,
-    policy_factory: PolicyFactory,
-) -> ElasticStore | WorkerPool:
-    """A strict range shared with the scheduler when it runs in this process (vLLM's ``uni``
-    executor), else a pool the engine core attaches to (see :mod:`.shared_pool`)."""
-    backend = runner.vllm_config.parallel_config.distributed_executor_backend
+def stop_engine(runner: Any, error: PageMapError) -> None:
+    """A worker could not map what was granted. Rank 0 (or a worker in the engine core's own
+    process) raises it to the engine core, which fails the engine with this message; any other
+    rank exits at once, so that no rank waits forever in a collective for it: vLLM's executor
+    sees the worker die and stops the engine."""
+    logger.error("elastickv: %s", error)
+    backend = getattr(runner.vllm_config.parallel_config, "distributed_executor_backend", None)
     if backend == "uni":
-        describe_engine(runner.vllm_config)  # the scheduler is in this process: register here
-        return ElasticStore.create(config, geometry, size, policy_factory)
-    return WorkerPool.create(config, size)
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        logging.shutdown()
+        os._exit(1)
 
 
-def export_fd(placed: ElasticStore | WorkerPool) -> int:
-    """The memfd behind the placed KV cache, in this process."""
-    if isinstance(placed, ElasticStore):
-        vmm_range = placed.vmm_range
-        if not isinstance(vmm_range, HostRange):
-            raise ElasticKVStartupError("internal: a worker's KV cache is not on a host range")
-        return vmm_range.pool.fd
-    return placed.pool.fd
+def place(runner: Any, config: ElasticConfig, geometry: KVCacheGeometry, size: int) -> WorkerKV:
+    """This worker's own KV storage on its device, nothing committed; the engine core grants
+    its pages step by step (see :mod:`.worker_kv`)."""
+    import torch
+
+    return WorkerKV.create(config, geometry, size, torch.device(runner.device))
 
 
 def advertised_capacity(worker: Any, config: ElasticConfig) -> int:

@@ -29,7 +29,6 @@ from elastickv.integrations.vllm.geometry_v028 import (
     per_layer_tensors,
     plan_from_config,
 )
-from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
     PERSISTENT_MARK,
     advertised_capacity,
@@ -94,7 +93,7 @@ def _no_connector() -> None:
         )
 
 
-def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
+def install(config: ElasticConfig) -> None:
 
     def memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         def determine_available_memory(self: Any) -> int:
@@ -127,7 +126,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
             group = group_index(kv_cache_config, layers[0])
             kbs = kernel_block_sizes[group] if group < len(kernel_block_sizes) else None
             plan = plan_from_config(kv_cache_config, backend, kbs)
-            placed = place(self, config, plan.geometry, plan.size_bytes, policy_factory)
+            placed = place(self, config, plan.geometry, plan.size_bytes)
             backing = placed.backing()
             slices = [
                 backing[i * plan.layer_bytes : (i + 1) * plan.layer_bytes]
@@ -142,7 +141,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                     "through torch.zeros(size, int8); this vLLM build breaks the 0.28 contract"
                 )
             verify_views(plan.geometry, list(plan.layers), views, backing)
-            attach_placement(self, config, placed, plan.geometry, plan.size_bytes)
+            attach_placement(self, config, placed)
             return views
 
         return initialize_kv_cache_tensors

@@ -29,7 +29,6 @@ from elastickv.integrations.vllm.geometry_v032 import (
     geometry_from_config,
     single_tensor,
 )
-from elastickv.integrations.vllm.store import PolicyFactory
 from elastickv.integrations.vllm.worker import (
     PERSISTENT_MARK,
     advertised_capacity,
@@ -82,7 +81,7 @@ def _plain_context(context: Any) -> None:
         )
 
 
-def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
+def install(config: ElasticConfig) -> None:
 
     def memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
         def determine_available_memory(self: Any) -> int:
@@ -129,7 +128,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
             layout = self.cache_config.get_resolved_kv_cache_layout().name
             geometry = geometry_from_config(kv_cache_config, layout, kernel_block_sizes[group])
             size = int(tensor.size)
-            placed = place(self, config, geometry, size, policy_factory)
+            placed = place(self, config, geometry, size)
             backing = placed.backing()
             mode = BackingMode(backing)
             views = original(self, kv_cache_config, kernel_block_sizes, mode)
@@ -139,7 +138,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
                     "kv_cache_allocation_context; this vLLM build breaks the 0.32 contract"
                 )
             verify_views(geometry, list(tensor.layers), views, backing)
-            attach_placement(self, config, placed, geometry, size)
+            attach_placement(self, config, placed)
             return views
 
         return initialize_kv_cache_tensors
