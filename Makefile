@@ -55,7 +55,7 @@ NIXL_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.nixl-installed
 VLLM_ROUTER_PINS := vllm-router==0.1.17 orjson==3.13.0
 VLLM_ROUTER_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-router-installed
 
-.PHONY: demo test test-vllm-032 test-rest test-cuda-fake venv vllm-venvs clean
+.PHONY: demo test test-vllm-032 test-rest test-cuda-fake gpu-check venv vllm-venvs clean
 
 # The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
 # the cached vLLM 0.32 environment), a live memory view, a picture, a summary.
@@ -90,6 +90,15 @@ test-cuda-fake: $(STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
 		$(PY) -m pytest $(FAKE_TESTS)
 	ELASTICKV_EXPECT_CUDA_BINDINGS=$$($(PY) -c 'from cuda.bindings import __version__ as v; print(v)') \
 		$(PY) -m pytest $(FAKE_TESTS)
+
+# The GPU check (benchmarks/gpu_check.py, docs/cuda.md#the-gpu-check): the CUDA backend on a
+# real GPU, with only PyTorch with CUDA and cuda-bindings (no vLLM, no project venv, nothing
+# installed: the script puts src/ on its path). $(PYTHON) must be the interpreter with the CUDA
+# PyTorch (`make gpu-check PYTHON=/path/to/python`); without a GPU it prints one SKIP line and
+# exits 0. Results go to $(GPU_CHECK_JSON).
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check:
+	@$(PYTHON) benchmarks/gpu_check.py --json $(GPU_CHECK_JSON)
 
 venv: $(STAMP)
 

@@ -45,14 +45,16 @@ def pytest_report_header() -> str:
 
 
 @pytest.fixture(autouse=True)
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCuda]:
-    # The fake's device memory is host memory: tensors over it must be CPU tensors.
-    monkeypatch.setattr(cuda_dlpack, "KDL_CUDA", cuda_dlpack.KDL_CPU)
-    FAKE.reset()
-    try:
-        yield FAKE
-        gc.collect()
-        assert FAKE.live() == {"handles": 0, "mappings": 0, "reservations": 0}, "driver leak"
-        assert FAKE.context_depth() == 0, "a context was left pushed"
-    finally:
+def fake() -> Iterator[FakeCuda]:
+    # The fake's device memory is host memory: tensors over it must be CPU tensors. A patch of
+    # its own, so that a test's monkeypatch.undo() (after an interrupt) keeps it.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cuda_dlpack, "KDL_CUDA", cuda_dlpack.KDL_CPU)
         FAKE.reset()
+        try:
+            yield FAKE
+            gc.collect()
+            assert FAKE.live() == {"handles": 0, "mappings": 0, "reservations": 0}, "driver leak"
+            assert FAKE.context_depth() == 0, "a context was left pushed"
+        finally:
+            FAKE.reset()

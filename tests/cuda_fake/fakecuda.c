@@ -4,13 +4,19 @@
  * The real cuda-bindings load this library, so every argument they marshal and every value they
  * unpack crosses the same C ABI as on a GPU. "Device" memory is host memory: a reservation is a
  * PROT_NONE mapping, a physical allocation is a memfd, cuMemMap maps the memfd into the
- * reservation, cuMemSetAccess makes it readable and writable. Touching an uncommitted page from
- * the host therefore faults, as a kernel would on a GPU.
+ * reservation, cuMemSetAccess makes it readable (PROT_READ) or readable and writable. Touching an
+ * unmapped page from the host therefore faults, as a kernel would on a GPU, and so does a write
+ * to a read-only mapping.
  *
  * The VMM rules are enforced strictly (CUDA_ERROR_INVALID_VALUE, or CUDA_ERROR_INVALID_CONTEXT
- * without a current context), some more strictly than the real driver (a handle may be mapped
- * once, a mapped handle may not be released), so bookkeeping bugs fail loudly. New physical
- * memory is filled with 0xFF bytes (NaN as fp32) because the real driver does not zero it.
+ * without a current context), one more strictly than the real driver (a mapped handle may not be
+ * released), so bookkeeping bugs fail loudly. As in the real driver, one handle may be mapped at
+ * several addresses (they alias the same memory); fake_mapping_at tells a test which handle and
+ * access each page has, so aliasing is checked where it matters. New physical memory is filled
+ * with 0xFF bytes (NaN as fp32) because the real driver does not zero it. Device-side work is
+ * checked against the access flags: a memset or a writing kernel (fake_launch_write) needs
+ * read-write access, a copy to the host or a reading kernel (fake_launch) needs read access;
+ * anything else is a sticky CUDA_ERROR_ILLEGAL_ADDRESS.
  *
  * Extra exported functions (fake_*) let the tests read live counts, inject failures and
  * simulate queued kernels and sticky faults.
@@ -65,7 +71,7 @@ typedef struct {
     int live;
     int fd;
     size_t size;
-    int mapped;
+    int mapped; /* how many addresses it is mapped at */
 } Handle;
 
 typedef struct {
@@ -73,11 +79,13 @@ typedef struct {
     size_t size;
 } Span;
 
+enum { ACCESS_NONE = 0, ACCESS_READ = 1, ACCESS_READWRITE = 3 }; /* CUmemAccess_flags */
+
 typedef struct {
     uintptr_t base;
     size_t size;
     unsigned long long handle;
-    int access;
+    int access; /* ACCESS_* for the (one) device */
 } Mapping;
 
 #define MAX_ITEMS 65536
@@ -90,6 +98,7 @@ static int vmm_supported = 1;
 static size_t granularity = 2u << 20;
 static size_t total_memory = 64ull << 30;
 static int sticky;
+static int read_only_refusal; /* 0: PROT_READ access accepted, else the code cuMemSetAccess returns */
 static int primary_retains;
 static int primary_ctx_token; /* the primary context's address is its identity */
 static __thread CUcontext stack[16];
@@ -165,12 +174,13 @@ static size_t used_memory(void) {
     return used;
 }
 
-/* Bytes of [base, base + size) covered by mappings that satisfy `need_access`. */
-static size_t covered(uintptr_t base, size_t size, int need_access) {
+/* Bytes of [base, base + size) covered by mappings whose access includes `need` (ACCESS_NONE:
+ * any mapping, ACCESS_READ: readable, ACCESS_READWRITE: writable). */
+static size_t covered(uintptr_t base, size_t size, int need) {
     size_t bytes = 0;
     for (int i = 0; i < n_mappings; i++) {
         Mapping *m = &mappings[i];
-        if (m->size && overlaps(base, size, m->base, m->size) && (!need_access || m->access)) {
+        if (m->size && overlaps(base, size, m->base, m->size) && (m->access & need) == need) {
             uintptr_t lo = m->base > base ? m->base : base;
             uintptr_t hi = m->base + m->size < base + size ? m->base + m->size : base + size;
             bytes += hi - lo;
@@ -261,6 +271,19 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     if (attribute != 102) LEAVE(INVALID_VALUE); /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
     *value = vmm_supported;
     LEAVE(OK);
+}
+
+/* The device's 16-byte UUID (fixed per ordinal: what nvidia-smi shows as GPU-<hex groups>). */
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, CUdevice device) {
+    ENTER("cuDeviceGetUuid", 0);
+    if (!uuid) LEAVE(INVALID_VALUE);
+    if (device < 0 || device >= device_count) LEAVE(INVALID_DEVICE);
+    for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xE0 + i + 16 * device);
+    LEAVE(OK);
+}
+
+CUresult cuDeviceGetUuid(unsigned char *uuid, CUdevice device) {
+    return cuDeviceGetUuid_v2(uuid, device);
 }
 
 /* ---- contexts ---------------------------------------------------------------------------- */
@@ -374,7 +397,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
     for (int i = 0; i < n_reservations; i++) {
         Span *r = &reservations[i];
         if (r->size && r->base == ptr && r->size == size) {
-            if (covered(ptr, size, 0)) LEAVE(INVALID_VALUE); /* unmap everything first */
+            if (covered(ptr, size, ACCESS_NONE)) LEAVE(INVALID_VALUE); /* unmap everything first */
             munmap((void *)r->base, r->size);
             r->size = 0;
             LEAVE(OK);
@@ -409,7 +432,7 @@ static Handle *handle_of(CUmemGenericAllocationHandle handle) {
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
     ENTER("cuMemRelease", 1);
     Handle *h = handle_of(handle);
-    if (!h || h->mapped) LEAVE(INVALID_VALUE); /* stricter than the driver: unmap first */
+    if (!h || h->mapped) LEAVE(INVALID_VALUE); /* stricter than the driver: unmap everywhere first */
     close(h->fd);
     h->live = 0;
     LEAVE(OK);
@@ -419,9 +442,9 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
                   unsigned long long flags) {
     ENTER("cuMemMap", 1);
     Handle *h = handle_of(handle);
-    if (!h || h->mapped || offset != 0 || flags != 0 || size != h->size || !aligned(ptr))
-        LEAVE(INVALID_VALUE);
-    if (!reservation_of(ptr, size) || covered(ptr, size, 0)) LEAVE(INVALID_VALUE);
+    /* A handle may already be mapped elsewhere (the driver allows aliases); the address may not. */
+    if (!h || offset != 0 || flags != 0 || size != h->size || !aligned(ptr)) LEAVE(INVALID_VALUE);
+    if (!reservation_of(ptr, size) || covered(ptr, size, ACCESS_NONE)) LEAVE(INVALID_VALUE);
     if (n_mappings == MAX_ITEMS) LEAVE(OUT_OF_MEMORY);
     void *at = mmap((void *)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, h->fd, 0);
     if (at == MAP_FAILED) LEAVE(OUT_OF_MEMORY);
@@ -432,8 +455,8 @@ CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAlloc
             break;
         }
     if (slot == n_mappings) n_mappings++;
-    mappings[slot] = (Mapping){ptr, size, handle, 0};
-    h->mapped = 1;
+    mappings[slot] = (Mapping){ptr, size, handle, ACCESS_NONE};
+    h->mapped++;
     LEAVE(OK);
 }
 
@@ -445,14 +468,20 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const AccessDesc *desc, si
         if (desc[i].location.type != 1 || desc[i].location.id < 0 ||
             desc[i].location.id >= device_count)
             LEAVE(INVALID_DEVICE);
-        if (desc[i].flags != 0 && desc[i].flags != 1 && desc[i].flags != 3) LEAVE(INVALID_VALUE);
+        int flags = desc[i].flags;
+        if (flags != ACCESS_NONE && flags != ACCESS_READ && flags != ACCESS_READWRITE)
+            LEAVE(INVALID_VALUE);
+        if (flags == ACCESS_READ && read_only_refusal) LEAVE(read_only_refusal);
     }
-    if (covered(ptr, size, 0) != size) LEAVE(INVALID_VALUE); /* only mapped bytes */
-    int prot = desc[0].flags == 3 ? PROT_READ | PROT_WRITE : desc[0].flags ? PROT_READ : PROT_NONE;
+    if (covered(ptr, size, ACCESS_NONE) != size) LEAVE(INVALID_VALUE); /* only mapped bytes */
+    int flags = desc[0].flags;
+    int prot = flags == ACCESS_READWRITE ? PROT_READ | PROT_WRITE
+               : flags == ACCESS_READ    ? PROT_READ
+                                         : PROT_NONE;
     if (mprotect((void *)ptr, size, prot) != 0) LEAVE(INVALID_VALUE);
     for (int i = 0; i < n_mappings; i++)
         if (mappings[i].size && overlaps(ptr, size, mappings[i].base, mappings[i].size))
-            mappings[i].access = desc[0].flags != 0;
+            mappings[i].access = flags;
     last_access_count = (int)count;
     for (size_t i = 0; i < count; i++) last_access_devices[i] = desc[i].location.id;
     LEAVE(OK);
@@ -476,7 +505,7 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     for (int i = 0; i < n_mappings; i++) {
         Mapping *m = &mappings[i];
         if (!m->size || !overlaps(ptr, size, m->base, m->size)) continue;
-        handles[m->handle - 1].mapped = 0;
+        handles[m->handle - 1].mapped--;
         m->size = 0;
     }
     mmap((void *)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1,
@@ -487,8 +516,8 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 static CUresult memset_d8(const char *name, CUdeviceptr ptr, unsigned char value, size_t n) {
     ENTER(name, 1);
     if (n == 0) LEAVE(OK);
-    if (covered(ptr, n, 1) != n) {
-        sticky = ILLEGAL_ADDRESS; /* the memset kernel hit an unmapped or inaccessible page */
+    if (covered(ptr, n, ACCESS_READWRITE) != n) {
+        sticky = ILLEGAL_ADDRESS; /* the memset kernel hit an unmapped or read-only page */
         LEAVE(ILLEGAL_ADDRESS);
     }
     memset((void *)ptr, value, n);
@@ -508,6 +537,22 @@ CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, CUstrea
     return memset_d8("cuMemsetD8Async", ptr, value, n);
 }
 
+/* A synchronous copy to the host: every byte must be readable by the device. */
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    ENTER("cuMemcpyDtoH", 1);
+    if (!dst) LEAVE(INVALID_VALUE);
+    if (n == 0) LEAVE(OK);
+    if (covered(src, n, ACCESS_READ) != n) {
+        sticky = ILLEGAL_ADDRESS; /* the copy read an unmapped page */
+        LEAVE(ILLEGAL_ADDRESS);
+    }
+    n_pending = 0; /* synchronous: like the legacy stream, it waits for queued work first */
+    memcpy(dst, (const void *)src, n);
+    LEAVE(OK);
+}
+
+CUresult cuMemcpyDtoH(void *dst, CUdeviceptr src, size_t n) { return cuMemcpyDtoH_v2(dst, src, n); }
+
 /* ---- symbol lookup ----------------------------------------------------------------------- */
 
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags,
@@ -525,6 +570,8 @@ static const struct {
     {"cuDeviceGetCount", (void *)cuDeviceGetCount},
     {"cuDeviceGet", (void *)cuDeviceGet},
     {"cuDeviceGetAttribute", (void *)cuDeviceGetAttribute},
+    {"cuDeviceGetUuid", (void *)cuDeviceGetUuid_v2},
+    {"cuDeviceGetUuid_v2", (void *)cuDeviceGetUuid_v2},
     {"cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain},
     {"cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease_v2},
     {"cuCtxGetCurrent", (void *)cuCtxGetCurrent},
@@ -543,6 +590,7 @@ static const struct {
     {"cuMemUnmap", (void *)cuMemUnmap},
     {"cuMemsetD8", (void *)cuMemsetD8_v2},
     {"cuMemsetD8Async", (void *)cuMemsetD8Async},
+    {"cuMemcpyDtoH", (void *)cuMemcpyDtoH_v2},
 };
 
 static void *lookup(const char *symbol) {
@@ -622,17 +670,59 @@ int fake_last_access(int *devices, int capacity) {
     return last_access_count;
 }
 
-/* Queue a simulated kernel over [ptr, ptr + size): it faults at once (a sticky
- * CUDA_ERROR_ILLEGAL_ADDRESS) if any byte is not mapped with access, else it stays pending until
- * a synchronize; an unmap under it before then faults too. Returns the sticky error (0 = none). */
+/* Queue a simulated kernel that reads [ptr, ptr + size): it faults at once (a sticky
+ * CUDA_ERROR_ILLEGAL_ADDRESS) if any byte is not readable, else it stays pending until a
+ * synchronize; an unmap under it before then faults too. Returns the sticky error (0 = none). */
 int fake_launch(CUdeviceptr ptr, size_t size) {
     pthread_mutex_lock(&lock);
-    if (covered(ptr, size, 1) != size) sticky = ILLEGAL_ADDRESS;
+    if (covered(ptr, size, ACCESS_READ) != size) sticky = ILLEGAL_ADDRESS;
     else if (n_pending < MAX_ITEMS) pending[n_pending++] = (Span){ptr, size};
     int result = sticky;
     pthread_mutex_unlock(&lock);
     return result;
 }
+
+/* The same for a kernel that writes `value` to every byte: it faults unless every byte is
+ * mapped read-write (a read-only mapping is an illegal address for a store, as on a GPU). */
+int fake_launch_write(CUdeviceptr ptr, size_t size, int value) {
+    pthread_mutex_lock(&lock);
+    if (covered(ptr, size, ACCESS_READWRITE) != size) sticky = ILLEGAL_ADDRESS;
+    else {
+        memset((void *)ptr, value, size);
+        if (n_pending < MAX_ITEMS) pending[n_pending++] = (Span){ptr, size};
+    }
+    int result = sticky;
+    pthread_mutex_unlock(&lock);
+    return result;
+}
+
+/* Which handle is mapped at `ptr` and with which access; returns 0 if nothing is mapped. */
+int fake_mapping_at(CUdeviceptr ptr, unsigned long long *handle, int *access) {
+    pthread_mutex_lock(&lock);
+    int found = 0;
+    for (int i = 0; i < n_mappings && !found; i++) {
+        Mapping *m = &mappings[i];
+        if (m->size && ptr >= m->base && ptr < m->base + m->size) {
+            *handle = m->handle;
+            *access = m->access;
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return found;
+}
+
+/* How many addresses `handle` is mapped at (0 for an unknown or released handle). */
+int fake_handle_mappings(unsigned long long handle) {
+    pthread_mutex_lock(&lock);
+    Handle *h = handle_of(handle);
+    int count = h ? h->mapped : 0;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+/* 0: cuMemSetAccess accepts CU_MEM_ACCESS_FLAGS_PROT_READ; else it refuses it with `code`. */
+void fake_refuse_read_only(int code) { read_only_refusal = code; }
 
 /* Free everything and restore the defaults, so one test's leak cannot break the next. */
 void fake_reset(void) {
@@ -648,6 +738,7 @@ void fake_reset(void) {
     n_mappings = n_handles = n_reservations = n_pending = 0;
     for (int i = 0; i < n_calls; i++) calls[i].fail_at = 0;
     sticky = 0;
+    read_only_refusal = 0;
     device_count = 1;
     vmm_supported = 1;
     granularity = 2u << 20;

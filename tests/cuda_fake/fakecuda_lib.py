@@ -22,6 +22,11 @@ LIBRARY = BUILD_DIR / "libcuda.so.1"
 CUDA_ERROR_ILLEGAL_ADDRESS = 700
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_SUPPORTED = 801
+# CUmemAccess_flags, as fake_mapping_at reports them.
+ACCESS_NONE = 0
+ACCESS_READ = 1
+ACCESS_READWRITE = 3
 
 
 class FakeBuildError(RuntimeError):
@@ -95,6 +100,17 @@ class FakeCuda:
         lib.fake_last_access.argtypes = (ctypes.POINTER(ctypes.c_int), ctypes.c_int)
         lib.fake_launch.restype = ctypes.c_int
         lib.fake_launch.argtypes = (ctypes.c_ulonglong, ctypes.c_size_t)
+        lib.fake_launch_write.restype = ctypes.c_int
+        lib.fake_launch_write.argtypes = (ctypes.c_ulonglong, ctypes.c_size_t, ctypes.c_int)
+        lib.fake_mapping_at.restype = ctypes.c_int
+        lib.fake_mapping_at.argtypes = (
+            ctypes.c_ulonglong,
+            ctypes.POINTER(ctypes.c_ulonglong),
+            ctypes.POINTER(ctypes.c_int),
+        )
+        lib.fake_handle_mappings.restype = ctypes.c_int
+        lib.fake_handle_mappings.argtypes = (ctypes.c_ulonglong,)
+        lib.fake_refuse_read_only.argtypes = (ctypes.c_int,)
         lib.fake_reset.argtypes = ()
 
     def live(self) -> dict[str, int]:
@@ -112,9 +128,34 @@ class FakeCuda:
         """The ``nth`` next call of ``name`` returns ``code`` and changes nothing."""
         self._lib.fake_fail(name.encode(), nth, code)
 
+    def disarm(self, name: str) -> None:
+        """Forget a failure of ``name`` set by :meth:`fail` that has not happened yet."""
+        self._lib.fake_fail(name.encode(), 0, 0)
+
     def launch(self, address: int, size: int) -> int:
-        """Queue a simulated kernel on the bytes; returns the sticky error (0: none)."""
+        """Queue a simulated kernel reading the bytes; returns the sticky error (0: none)."""
         return int(self._lib.fake_launch(address, size))
+
+    def launch_write(self, address: int, size: int, value: int = 0xAB) -> int:
+        """Queue a simulated kernel writing ``value`` to the bytes (it faults unless they are all
+        mapped read-write); returns the sticky error (0: none)."""
+        return int(self._lib.fake_launch_write(address, size, value))
+
+    def mapping_at(self, address: int) -> tuple[int, int] | None:
+        """``(handle, access)`` mapped at ``address`` (access: ``ACCESS_*``), or None."""
+        handle = ctypes.c_ulonglong()
+        access = ctypes.c_int()
+        if not self._lib.fake_mapping_at(address, ctypes.byref(handle), ctypes.byref(access)):
+            return None
+        return int(handle.value), int(access.value)
+
+    def handle_mappings(self, handle: int) -> int:
+        """How many addresses ``handle`` is mapped at."""
+        return int(self._lib.fake_handle_mappings(handle))
+
+    def refuse_read_only(self, code: int = CUDA_ERROR_NOT_SUPPORTED) -> None:
+        """Make ``cuMemSetAccess`` refuse read-only access with ``code`` (0: accept it)."""
+        self._lib.fake_refuse_read_only(code)
 
     def last_access_devices(self) -> list[int]:
         devices = (ctypes.c_int * 8)()

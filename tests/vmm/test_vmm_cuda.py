@@ -1,9 +1,10 @@
 """CUDA backend without a GPU: a fake driver for the logic, the real package for availability.
 
 The fake simulates what the backend relies on (address reservations, physical handles with a
-device-memory budget, whole-mapping map/unmap, set-access over mapped ranges, a current context)
-and rejects misuse the real driver would reject, plus some it would tolerate (releasing a
-mapped handle, mapping a handle twice), so bookkeeping bugs fail loudly. The real
+device-memory budget, whole-mapping map/unmap, read-only or read-write access over mapped
+ranges, a current context) and rejects misuse the real driver would reject, plus some it would
+tolerate (releasing a mapped handle, unmapping several mappings in one call), so bookkeeping
+bugs fail loudly. A handle may be mapped at several addresses, as on the real driver. The real
 driver path (the cuda-bindings marshalling) is tested against a strict fake libcuda in
 tests/cuda_fake, and on a GPU by the probe.
 """
@@ -33,7 +34,7 @@ from elastickv.vmm import (
     ReleaseError,
     ReservationError,
 )
-from elastickv.vmm.cuda import CudaBackend, CudaRange
+from elastickv.vmm.cuda import CudaBackend, CudaRange, Uncommitted
 from elastickv.vmm.cuda_dlpack import KDL_CPU, byte_tensor, dlpack_capsule
 from elastickv.vmm.cuda_driver import (
     CUDA_ERROR_OUT_OF_MEMORY,
@@ -64,6 +65,7 @@ class FakeDriver:
         self.handles: dict[int, int] = {}
         self.mappings: dict[int, tuple[int, int]] = {}
         self.readable: set[int] = set()
+        self.writable: set[int] = set()
         self.access_ranges: list[tuple[int, int]] = []
         self._next_address = 0x7F00_0000_0000
         self._next_handle = 1
@@ -148,12 +150,11 @@ class FakeDriver:
         overlaps = any(
             a < address + size and address < a + n for a, (n, _) in self.mappings.items()
         )
-        twice = any(h == handle for _, h in self.mappings.values())
-        if not inside or overlaps or twice or self.handles.get(handle) != size:
+        if not inside or overlaps or self.handles.get(handle) != size:
             self._raise("cuMemMap", INVALID_VALUE)
         self.mappings[address] = (size, handle)
 
-    def set_access(self, address: int, size: int) -> None:
+    def set_access(self, address: int, size: int, *, read_only: bool = False) -> None:
         self._enter("cuMemSetAccess")
         covered = 0
         for a in sorted(self.mappings):
@@ -163,7 +164,12 @@ class FakeDriver:
         if covered != size:
             self._raise("cuMemSetAccess", INVALID_VALUE)
         self.access_ranges.append((address, size))
-        self.readable.update(a for a in self.mappings if address <= a < address + size)
+        inside = {a for a in self.mappings if address <= a < address + size}
+        self.readable.update(inside)
+        if read_only:
+            self.writable.difference_update(inside)
+        else:
+            self.writable.update(inside)
 
     def unmap(self, address: int, size: int) -> None:
         self._enter("cuMemUnmap")
@@ -171,6 +177,7 @@ class FakeDriver:
             self._raise("cuMemUnmap", INVALID_VALUE)
         del self.mappings[address]
         self.readable.discard(address)
+        self.writable.discard(address)
 
     def mem_get_info(self) -> tuple[int, int]:
         self._enter("cuMemGetInfo")
@@ -181,8 +188,14 @@ class FakeDriver:
 
     def zero(self, address: int, size: int, stream: int | None) -> None:
         self._enter("cuMemsetD8Async")
-        if address not in self.readable:
+        if address not in self.writable:
             self._raise("cuMemsetD8Async", INVALID_VALUE)
+
+    def read(self, address: int, size: int) -> bytes:
+        self._enter("cuMemcpyDtoH")
+        if address not in self.readable:
+            self._raise("cuMemcpyDtoH", INVALID_VALUE)
+        return bytes(size)  # no memory contents here: tests/cuda_fake checks real bytes
 
     def empty(self) -> bool:
         return not (self.reservations or self.handles or self.mappings)
@@ -193,8 +206,13 @@ def fake() -> FakeDriver:
     return FakeDriver()
 
 
-def make(fake: FakeDriver, pool: int = 8, page_size: int = GRAN) -> CudaBackend:
-    return CudaBackend(page_size=page_size, handle_pool_size=pool, driver=fake)
+def make(
+    fake: FakeDriver, pool: int = 8, page_size: int = GRAN, uncommitted: Uncommitted = "fault"
+) -> CudaBackend:
+    """Fault mode by default here: these tests count the mappings of committed pages only."""
+    return CudaBackend(
+        page_size=page_size, handle_pool_size=pool, driver=fake, uncommitted=uncommitted
+    )
 
 
 @pytest.fixture
@@ -222,8 +240,15 @@ def test_granularity_and_page_size_validation(fake: FakeDriver) -> None:
 
 
 def test_options_are_checked(fake: FakeDriver) -> None:
-    with pytest.raises(ValueError, match="always strict"):
-        CudaBackend(strict=False, driver=fake)
+    assert CudaBackend(driver=fake).uncommitted == "zero"
+    assert not CudaBackend(driver=fake).strict
+    assert CudaBackend(strict=True, driver=fake).uncommitted == "fault"
+    assert CudaBackend(strict=False, driver=fake).uncommitted == "zero"
+    assert CudaBackend(uncommitted="fault", strict=True, driver=fake).strict
+    with pytest.raises(ValueError, match="contradicts strict"):
+        CudaBackend(uncommitted="zero", strict=True, driver=fake)
+    with pytest.raises(ValueError, match="uncommitted must be one of 'zero', 'fault'"):
+        CudaBackend(uncommitted="zeros", driver=fake)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="handle_pool_size"):
         CudaBackend(handle_pool_size=-1, driver=fake)
     with pytest.raises(ValueError, match="size_bytes"):
@@ -338,6 +363,27 @@ def test_footprint_matches_device_memory_delta(fake: FakeDriver, vrange: CudaRan
     free_after, _ = backend.mem_get_info()
     assert total == fake.total
     assert free_before - free_after == vrange.held_bytes() == vrange.footprint_bytes() + 2 * GRAN
+
+
+def test_zero_mode_maps_one_read_only_page_under_uncommitted_pages(fake: FakeDriver) -> None:
+    """This fake refuses an unmap spanning several mappings, so the close falls back to one
+    unmap per zero-page mapping and still returns everything."""
+    with make(fake, uncommitted="zero").reserve(8 * GRAN) as vrange:
+        base = vrange.base_address
+        zero = {handle for _, handle in fake.mappings.values()}
+        assert len(zero) == 1 and len(fake.mappings) == 8 + 1  # the pages and the window
+        assert not fake.writable, "the zero page is read-only"
+        vrange.commit([2, 3])
+        handles = [fake.mappings[base + page * GRAN][1] for page in range(8)]
+        assert len({handles[2], handles[3]} - zero) == 2
+        assert {handles[page] for page in (0, 1, 4, 5, 6, 7)} == zero
+        assert fake.writable == {base + 2 * GRAN, base + 3 * GRAN}
+        assert vrange.footprint_bytes() == 2 * GRAN
+        assert vrange.held_bytes() == 3 * GRAN
+        vrange.release([2])
+        assert fake.mappings[base + 2 * GRAN][1] in zero
+        assert vrange.check_zero_page() is False
+    assert fake.empty()
 
 
 # -- failures and rollback -----------------------------------------------------------------
@@ -587,6 +633,9 @@ def test_real_bindings_accept_our_arguments() -> None:
         lambda: cuda.release(1),
         lambda: cuda.map(0x7F00_0000_0000, GRAN, 1),
         lambda: cuda.set_access(0x7F00_0000_0000, GRAN),
+        lambda: cuda.set_access(0x7F00_0000_0000, GRAN, read_only=True),
+        lambda: cuda.read(0x7F00_0000_0000, 64),
+        cuda.uuid,
         lambda: cuda.unmap(0x7F00_0000_0000, GRAN),
         cuda.mem_get_info,
         lambda: cuda.synchronize(None),

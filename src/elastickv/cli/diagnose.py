@@ -57,7 +57,8 @@ def cuda_backend(device: int = 0) -> dict[str, Any]:
         "available": False,
         "granularity": None,
         "page_size": None,
-        "strict": True,
+        "strict": False,
+        "uncommitted": "zero",
         "total_bytes": None,
         "error": None,
     }
@@ -72,7 +73,13 @@ def cuda_backend(device: int = 0) -> dict[str, Any]:
     except (BackendUnavailable, VmmError, ImportError, OSError, RuntimeError) as err:
         report["error"] = str(err)
         return report
-    report.update(available=True, granularity=backend.granularity, page_size=backend.page_size)
+    report.update(
+        available=True,
+        granularity=backend.granularity,
+        page_size=backend.page_size,
+        strict=backend.strict,
+        uncommitted=backend.uncommitted,
+    )
     return report
 
 

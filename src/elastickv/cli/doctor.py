@@ -102,7 +102,8 @@ def _backend_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"  cuda   [green]available[/] (device {cuda['device']}, {bindings}): granularity "
             f"{format_bytes(cuda['granularity'])}, {format_bytes(cuda['total_bytes'])}, "
-            "always strict"
+            "uncommitted pages "
+            f"{'fault' if cuda['strict'] else 'read zeros (a shared zero page)'} by default"
         )
     else:
         lines.append(f"  cuda   [yellow]unavailable[/] ({bindings}): {escape(str(cuda['error']))}")

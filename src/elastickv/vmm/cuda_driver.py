@@ -56,7 +56,7 @@ class DriverApi(Protocol):
     """What the backend needs from the driver; every failure raises :class:`CudaDriverError`.
 
     Addresses, sizes and handles are plain ints. Physical allocations are pinned device memory on
-    :attr:`device`; access is always read-write for that device.
+    :attr:`device`; access is granted to that device only, read-write or read-only.
     """
 
     @property
@@ -78,7 +78,10 @@ class DriverApi(Protocol):
 
     def map(self, address: int, size: int, handle: int) -> None: ...
 
-    def set_access(self, address: int, size: int) -> None: ...
+    def set_access(self, address: int, size: int, *, read_only: bool = False) -> None:
+        """Grant the device access to ``size`` mapped bytes: read-write, or read-only (a
+        kernel's store there is then an illegal-address fault)."""
+        ...
 
     def unmap(self, address: int, size: int) -> None: ...
 
@@ -95,6 +98,10 @@ class DriverApi(Protocol):
 
         Queued on ``stream`` (``None``: the legacy default stream).
         """
+        ...
+
+    def read(self, address: int, size: int) -> bytes:
+        """Copy ``size`` readable device bytes to the host (synchronous)."""
         ...
 
 
@@ -134,6 +141,14 @@ def native_handle(obj: Any) -> int:
         return int(get_cuda_native_handle(obj))
     except TypeError:
         return int(obj)
+
+
+def format_uuid(raw: bytes) -> str:
+    """16 bytes → ``GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`` (nvidia-smi's spelling)."""
+    if len(raw) != 16:
+        raise ValueError(f"a device UUID has 16 bytes, got {len(raw)}")
+    text = raw.hex()
+    return f"GPU-{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def _describe(module: Any, function: str, code: Any) -> str | None:
@@ -215,10 +230,23 @@ class CudaDriver:
         access.location.id = device
         access.flags = module.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._access = [access]
+        read_only = module.CUmemAccessDesc()
+        read_only.location.type = module.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        read_only.location.id = device
+        read_only.flags = module.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        self._read_only = [read_only]
 
     @property
     def device(self) -> int:
         return self._device
+
+    def uuid(self) -> str:
+        """The device's UUID as nvidia-smi prints it (``GPU-8f3a…``; a MIG instance's own UUID
+        under MIG), for :func:`elastickv.control.cuda_device_key`."""
+        cu = self._cu
+        query = getattr(cu, "cuDeviceGetUuid_v2", None) or cu.cuDeviceGetUuid
+        raw = bytes(self._call("cuDeviceGetUuid", query(self._cu_device)).bytes)
+        return format_uuid(raw)
 
     @contextmanager
     def current(self) -> Iterator[None]:
@@ -268,9 +296,10 @@ class CudaDriver:
         )
         self._call("cuMemMap", result)
 
-    def set_access(self, address: int, size: int) -> None:
+    def set_access(self, address: int, size: int, *, read_only: bool = False) -> None:
         cu = self._cu
-        result = cu.cuMemSetAccess(cu.CUdeviceptr(address), size, self._access, len(self._access))
+        access = self._read_only if read_only else self._access
+        result = cu.cuMemSetAccess(cu.CUdeviceptr(address), size, access, len(access))
         self._call("cuMemSetAccess", result)
 
     def unmap(self, address: int, size: int) -> None:
@@ -294,6 +323,12 @@ class CudaDriver:
         result = cu.cuMemsetD8Async(cu.CUdeviceptr(address), 0, size, handle)
         self._call("cuMemsetD8Async", result)
         self._call("cuStreamSynchronize", cu.cuStreamSynchronize(handle))
+
+    def read(self, address: int, size: int) -> bytes:
+        cu = self._cu
+        buffer = bytearray(size)
+        self._call("cuMemcpyDtoH", cu.cuMemcpyDtoH(buffer, cu.CUdeviceptr(address), size))
+        return bytes(buffer)
 
     def close(self) -> None:
         """Release the primary context (also done when this object is collected)."""
