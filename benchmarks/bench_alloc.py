@@ -278,9 +278,9 @@ def pool_step(
     try:
         from vllm.v1.core.block_pool import BlockPool
 
-        from elastickv.integrations.vllm.block_pool import ElasticBlockPool
         from elastickv.integrations.vllm.config import ElasticConfig
-        from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, local_policy
+        from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
+        from elastickv.integrations.vllm.scheduler.store import REGISTRY, ElasticStore, local_policy
     except Exception:
         return None
     config = ElasticConfig(page_size=page_size, hot_max_pages=1 << 20)

@@ -127,9 +127,9 @@ def publish_store(num_blocks: int, num_layers: int, spec: Any) -> None:
     credit under its limit (the page operations of each step go nowhere: no worker maps
     them here; what a worker's mapping costs is ``bench_vmm.py``'s)."""
     from elastickv.geometry import KVCacheGeometry
-    from elastickv.integrations.vllm import scheduler_hooks
     from elastickv.integrations.vllm.config import ElasticConfig
-    from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, default_policy
+    from elastickv.integrations.vllm.scheduler import scheduler_hooks
+    from elastickv.integrations.vllm.scheduler.store import REGISTRY, ElasticStore, default_policy
 
     config = ElasticConfig.from_env()
     scheduler_hooks.install()

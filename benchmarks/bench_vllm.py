@@ -66,7 +66,7 @@ from elastickv.bench.vllm_server import (
     vllm_version,
 )
 from elastickv.integrations.vllm.config import SCHEDULER_CLOCK_VAR
-from elastickv.integrations.vllm.scheduler_clock import (
+from elastickv.integrations.vllm.scheduler.scheduler_clock import (
     SchedulerTimes,
     create_clock_file,
     read_clock,

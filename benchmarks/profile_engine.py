@@ -63,7 +63,7 @@ ENTRY_POINTS = [
     ("BlockPool.free_blocks", "block_pool.py", "free_blocks"),
     ("model forward (execute_model)", "", "execute_model"),
 ]
-HOOK_FILES = ("elastickv/integrations/vllm/scheduler_hooks.py",)
+HOOK_FILES = ("elastickv/integrations/vllm/scheduler/scheduler_hooks.py",)
 FORWARDER_FILE = "<elastickv hook of"  # hooks.compile_hook's generated code
 SCHEDULER_MODULES = ("vllm/v1/core/", "elastickv/")
 

@@ -31,7 +31,7 @@ from elastickv.geometry import Contract, KVLayout, layer_views
 from elastickv.integrations.vllm import contract as contract_module
 from elastickv.integrations.vllm.contract import detect_contract, installed_version
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.geometry_v028 import plan_from_config
+from elastickv.integrations.vllm.worker.geometry_v028 import plan_from_config
 
 EngineRuns = Callable[..., dict[str, Any]]
 

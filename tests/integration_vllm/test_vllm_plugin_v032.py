@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from plugin_harness import ELASTIC, PAGE, assert_footprint_follows_blocks
 
-from elastickv.integrations.vllm.commit_check import CommitCheck, CommitOrderError
 from elastickv.integrations.vllm.config import ElasticConfig, enabled
 from elastickv.integrations.vllm.contract import detect_contract
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
+from elastickv.integrations.vllm.worker.commit_check import CommitCheck, CommitOrderError
 from elastickv.vmm import host_granularity
 from elastickv.vmm.host import HostPool
 
@@ -166,7 +166,7 @@ def test_layout_or_spec_the_plugin_cannot_place_fails_naming_it() -> None:
         KVCacheTensor,
     )
 
-    from elastickv.integrations.vllm.geometry_v032 import geometry_from_config
+    from elastickv.integrations.vllm.worker.geometry_v032 import geometry_from_config
 
     def config(spec: FullAttentionSpec, blocks: int = 5) -> KVCacheConfig:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]

@@ -24,7 +24,12 @@ from elastickv.control import open_ledger
 from elastickv.control.credit import CreditPolicy
 from elastickv.geometry import KVCacheGeometry
 from elastickv.integrations.vllm.config import ElasticConfig
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory, local_policy
+from elastickv.integrations.vllm.scheduler.store import (
+    REGISTRY,
+    ElasticStore,
+    PolicyFactory,
+    local_policy,
+)
 from elastickv.vmm import HostBackend, host_granularity
 from elastickv.vmm.grants import GrantFollower
 
@@ -52,7 +57,7 @@ def make_pool(
     """An elastic pool of ``num_blocks`` blocks, ``blocks_per_page`` blocks per page (1 or
     2), ``budget_pages`` pages allowed (the null block takes one; None: no budget),
     ``hot_max_pages`` freed pages kept."""
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     geometry = geometry_of(num_blocks, blocks_per_page)
     config = ElasticConfig(
@@ -203,7 +208,7 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
     holds one block for every running request whose next token needs a new block, so a limit
     that holds exactly N prompts does not admit N that cannot grow; vLLM's own watermark is
     kept under it."""
-    from elastickv.integrations.vllm.block_pool import admission_headroom
+    from elastickv.integrations.vllm.scheduler.block_pool import admission_headroom
 
     made = make_pool(32, 6)  # null + 5 pages
     try:
@@ -315,7 +320,7 @@ def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     geometry = geometry_of(48)
     config = ElasticConfig(page_size=PAGE, hot_max_pages=2)

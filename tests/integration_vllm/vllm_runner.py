@@ -262,7 +262,7 @@ def main() -> None:
     clock = None
     if args.scheduler_clock:
         from elastickv.integrations.vllm.config import SCHEDULER_CLOCK_VAR
-        from elastickv.integrations.vllm.scheduler_clock import create_clock_file
+        from elastickv.integrations.vllm.scheduler.scheduler_clock import create_clock_file
 
         clock = Path(tempfile.mkdtemp(prefix="elastickv-clock-")) / "scheduler.clock"
         create_clock_file(clock)
@@ -280,7 +280,7 @@ def main() -> None:
         args.barrier,
     )
     if clock is not None:
-        from elastickv.integrations.vllm.scheduler_clock import read_clock
+        from elastickv.integrations.vllm.scheduler.scheduler_clock import read_clock
 
         result["scheduler_clock"] = dataclasses.asdict(read_clock(clock))
         shutil.rmtree(clock.parent)

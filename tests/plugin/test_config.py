@@ -131,7 +131,7 @@ def test_a_percentage_budget_without_the_ledger_is_of_physical_memory() -> None:
     import os
 
     from elastickv.alloc import FixedBudget
-    from elastickv.integrations.vllm.store import local_policy
+    from elastickv.integrations.vllm.scheduler.store import local_policy
 
     policy = local_policy(ElasticConfig.from_env({"ELASTICKV_BUDGET": "25%"}), "host")
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

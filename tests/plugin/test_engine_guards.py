@@ -14,7 +14,7 @@ import time
 
 import psutil
 
-from elastickv.integrations.vllm.idle_ticks import IdleTickQueue, tick_while_idle
+from elastickv.integrations.vllm.engine.idle_ticks import IdleTickQueue, tick_while_idle
 
 # A parent that starts a child running the watchdog, prints the child's pid, then waits.
 PARENT = """
@@ -25,7 +25,7 @@ time.sleep(600)
 """
 CHILD = """
 import os, signal, sys, time
-from elastickv.integrations.vllm.watchdog import ParentWatchdog
+from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
 def on_term(*_):
     print("SIGTERM", flush=True)
     sys.exit(0)
@@ -53,7 +53,7 @@ def test_watchdog_stops_the_process_when_its_parent_is_killed() -> None:
 
 
 def test_watchdog_leaves_a_process_whose_parent_lives() -> None:
-    from elastickv.integrations.vllm.watchdog import ParentWatchdog
+    from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
 
     watchdog = ParentWatchdog(os.getppid(), interval=0.01).start()
     time.sleep(0.1)

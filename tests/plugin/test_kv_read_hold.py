@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastickv.integrations.vllm.kv_read_hold import (
+from elastickv.integrations.vllm.transfer.kv_read_hold import (
     HOLD_AHEAD_S,
     READ_BY_KEY,
     READ_MARGIN_S,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from elastickv.integrations.vllm import logs
-from elastickv.integrations.vllm.startup import RefusalLog
+from elastickv.integrations.vllm.engine.startup import RefusalLog
 
 
 class Collect(logging.Handler):
@@ -43,7 +43,7 @@ def test_elastickv_records_go_to_vllms_handlers(vllm_handler: Collect) -> None:
     logging.getLogger("vllm").setLevel(logging.INFO)
     assert logs.join_vllm_log() and logs.join_vllm_log()  # idempotent
     assert len(logging.getLogger(logs.ROOT).handlers) == 1
-    logging.getLogger("elastickv.integrations.vllm.startup").info("on")
+    logging.getLogger("elastickv.integrations.vllm.engine.startup").info("on")
     logging.getLogger("elastickv.x").debug("too detailed")
     assert [r.getMessage() for r in vllm_handler.records] == ["on"]
 
@@ -60,7 +60,7 @@ def test_refusals_are_logged_first_then_once_per_interval(
     logging.getLogger("vllm").setLevel(logging.INFO)
     logs.join_vllm_log()
     now = [100.0]
-    monkeypatch.setattr("elastickv.integrations.vllm.startup.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("elastickv.integrations.vllm.engine.startup.time.monotonic", lambda: now[0])
     refusals = RefusalLog("tiny:8000", interval_s=10.0)
     for _ in range(5):
         refusals.refused(3, lambda: 2 << 20)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from elastickv.integrations.vllm.scheduler_clock import (
+from elastickv.integrations.vllm.scheduler.scheduler_clock import (
     SchedulerTimes,
     clock_file_from_env,
     clock_methods,

@@ -10,8 +10,8 @@ from elastickv.integrations.vllm.hooks import compile_hook
 def test_hooked_methods_get_compiled_hooks() -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from elastickv.integrations.vllm import scheduler_hooks
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler import scheduler_hooks
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     names = {"ElasticBlockPool": ElasticBlockPool, "elastic_pool": scheduler_hooks._elastic_pool}
     for method, template in (
@@ -26,7 +26,7 @@ def test_no_hook_on_the_per_request_paths() -> None:
     from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
     from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    from elastickv.integrations.vllm import scheduler_hooks
+    from elastickv.integrations.vllm.scheduler import scheduler_hooks
 
     scheduler_hooks.install()
     for method in (KVCacheCoordinator.get_num_blocks_to_allocate, KVCacheManager.allocate_slots):

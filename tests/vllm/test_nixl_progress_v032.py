@@ -14,13 +14,13 @@ import sys
 
 import pytest
 
-from elastickv.integrations.vllm import nixl_progress
+from elastickv.integrations.vllm.transfer import nixl_progress
 
 IDLE_S = 2.0
 CHILD = f"""
 import json, sys, time
 import psutil
-from elastickv.integrations.vllm import nixl_progress
+from elastickv.integrations.vllm.transfer import nixl_progress
 for wait in sys.argv[1].split(","):  # as the plugin sets it up: before vLLM loads NIXL
     assert nixl_progress.apply_when_loaded(None if wait == "default" else int(wait))
 assert "nixl" not in sys.modules  # nothing of NIXL imported until vLLM loads it

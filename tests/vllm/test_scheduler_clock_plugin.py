@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from elastickv.integrations.vllm.scheduler_clock import SchedulerTimes, read_clock
+from elastickv.integrations.vllm.scheduler.scheduler_clock import SchedulerTimes, read_clock
 
 CHECK = """
 import json

@@ -42,7 +42,7 @@ from elastickv.geometry import (
     plan_transfer,
     slot_regions,
 )
-from elastickv.integrations.vllm import kv_read_hold, kv_transfer
+from elastickv.integrations.vllm.transfer import kv_read_hold, kv_transfer
 
 TPS = (1, 2, 4, 8)
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from elastickv.integrations.vllm.nixl_progress import MAX_WAIT_MS
+from elastickv.integrations.vllm.transfer.nixl_progress import MAX_WAIT_MS
 from elastickv.units import format_bytes, parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"

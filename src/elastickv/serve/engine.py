@@ -4,7 +4,7 @@ The engine is started in a session of its own (so Ctrl-C in the operator's termi
 ``elastickv serve``, which stops the engines in order) and with a parent-death signal: if
 ``elastickv serve`` itself dies, even by ``kill -9``, the kernel sends the API server SIGTERM,
 and elastickv's plugin makes its engine core follow (see
-:mod:`elastickv.integrations.vllm.watchdog`).
+:mod:`elastickv.integrations.vllm.engine.watchdog`).
 """
 
 from __future__ import annotations

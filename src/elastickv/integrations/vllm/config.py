@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from elastickv.control.limits import parse_limit
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.kv_read_hold import DEFAULT_HOLD_S
-from elastickv.integrations.vllm.nixl_progress import MAX_WAIT_MS
+from elastickv.integrations.vllm.transfer.kv_read_hold import DEFAULT_HOLD_S
+from elastickv.integrations.vllm.transfer.nixl_progress import MAX_WAIT_MS
 from elastickv.units import format_bytes, parse_size
 from elastickv.vmm import DEFAULT_PAGE_SIZE, host_granularity
 from elastickv.vmm.host import largest_reservation

@@ -12,7 +12,6 @@ import multiprocessing
 import threading
 
 from elastickv.geometry import Contract
-from elastickv.integrations.vllm import scheduler_clock
 from elastickv.integrations.vllm.config import (
     ENABLE_VAR,
     ElasticConfig,
@@ -20,7 +19,8 @@ from elastickv.integrations.vllm.config import (
     ignored_settings,
 )
 from elastickv.integrations.vllm.logs import join_vllm_log
-from elastickv.integrations.vllm.store import PolicyFactory, default_policy
+from elastickv.integrations.vllm.scheduler import scheduler_clock
+from elastickv.integrations.vllm.scheduler.store import PolicyFactory, default_policy
 
 logger = logging.getLogger(__name__)
 _install_lock = threading.Lock()
@@ -59,12 +59,10 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
     with _install_lock:
         preflight.install()
         if contract is Contract.V032:
-            from elastickv.integrations.vllm import (
-                engine_core,
-                kv_transfer,
-                scheduler_hooks,
-                worker_v032,
-            )
+            from elastickv.integrations.vllm.engine import engine_core
+            from elastickv.integrations.vllm.scheduler import scheduler_hooks
+            from elastickv.integrations.vllm.transfer import kv_transfer
+            from elastickv.integrations.vllm.worker import worker_v032
 
             worker_v032.install(config)
             engine_core.install(config, policy_factory)
@@ -72,7 +70,9 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
             # NIXL: refuse other layouts, hold unread blocks, the progress thread's wait.
             kv_transfer.install(config.kv_read_hold_s, config.nixl_progress_wait_ms)
         elif contract is Contract.V028:
-            from elastickv.integrations.vllm import engine_core, scheduler_v028, worker_v028
+            from elastickv.integrations.vllm.engine import engine_core
+            from elastickv.integrations.vllm.scheduler import scheduler_v028
+            from elastickv.integrations.vllm.worker import worker_v028
 
             worker_v028.install(config)
             engine_core.install(config, policy_factory)  # same EngineCore hook in 0.28

@@ -18,12 +18,12 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from elastickv.geometry import KVCacheGeometry, layer_views
-from elastickv.integrations.vllm.commit_check import CommitCheck
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
-from elastickv.integrations.vllm.worker_kv import PageMapError, WorkerKV
+from elastickv.integrations.vllm.worker.commit_check import CommitCheck
+from elastickv.integrations.vllm.worker.worker_kv import PageMapError, WorkerKV
 from elastickv.vmm.grants import PageOps
 
 if TYPE_CHECKING:

@@ -16,7 +16,7 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry, layout_from_stride_order
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.kv_spec import full_attention_spec
+from elastickv.integrations.vllm.worker.kv_spec import full_attention_spec
 
 # Backends whose 0.28 shape is the packed ``(B, H, N, 2D)`` row format, as tested end to end.
 SUPPORTED_BACKENDS = ("CPU_ATTN",)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
 
 class ElasticBlockPoolV028(ElasticBlockPool):
@@ -37,6 +37,6 @@ class ElasticBlockPoolV028(ElasticBlockPool):
 
 def install() -> None:
     """The scheduler hooks, with 0.28's pool class."""
-    from elastickv.integrations.vllm import scheduler_hooks
+    from elastickv.integrations.vllm.scheduler import scheduler_hooks
 
     scheduler_hooks.install(ElasticBlockPoolV028)

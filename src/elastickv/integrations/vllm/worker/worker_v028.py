@@ -24,12 +24,12 @@ from torch.overrides import TorchFunctionMode
 
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.geometry_v028 import (
+from elastickv.integrations.vllm.worker.geometry_v028 import (
     backend_of,
     per_layer_tensors,
     plan_from_config,
 )
-from elastickv.integrations.vllm.worker import (
+from elastickv.integrations.vllm.worker.worker import (
     PERSISTENT_MARK,
     advertised_capacity,
     attach_placement,

@@ -38,11 +38,11 @@ from vllm.v1.request import RequestStatus
 
 from elastickv.alloc import AllocatorStats, BlockAllocator
 from elastickv.control.credit import CreditPolicy
+from elastickv.integrations.vllm.engine.registration import registration_of
+from elastickv.integrations.vllm.engine.startup import RefusalLog, log_startup, startup_refusal
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.kv_export import PAGE_OPS_ATTR
-from elastickv.integrations.vllm.registration import registration_of
-from elastickv.integrations.vllm.startup import RefusalLog, log_startup, startup_refusal
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore
+from elastickv.integrations.vllm.scheduler.store import REGISTRY, ElasticStore
 from elastickv.units import format_bytes
 from elastickv.vmm.errors import CommitError
 from elastickv.vmm.grants import PageGrants, PageOps

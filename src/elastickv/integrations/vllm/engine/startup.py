@@ -19,8 +19,8 @@ from elastickv.units import format_bytes
 
 if TYPE_CHECKING:
     from elastickv.alloc import BlockAllocator
-    from elastickv.integrations.vllm.registration import EngineRegistration
-    from elastickv.integrations.vllm.store import ElasticStore
+    from elastickv.integrations.vllm.engine.registration import EngineRegistration
+    from elastickv.integrations.vllm.scheduler.store import ElasticStore
 
 logger = logging.getLogger(__name__)
 REFUSAL_LOG_INTERVAL_S = 10.0

@@ -2,7 +2,7 @@
 
 vLLM builds its per-layer views itself; we derive the same views independently from the
 published strides and layout name, and the worker refuses to run if the two disagree
-(:func:`~elastickv.integrations.vllm.worker.verify_views`: a disagreement means our page
+(:func:`~elastickv.integrations.vllm.worker.worker.verify_views`: a disagreement means our page
 accounting would commit the wrong bytes).
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.kv_spec import full_attention_spec
+from elastickv.integrations.vllm.worker.kv_spec import full_attention_spec
 
 _SUPPORTED_QUANT = ("NONE",)
 

@@ -25,11 +25,11 @@ from torch.overrides import TorchFunctionMode
 
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.geometry_v032 import (
+from elastickv.integrations.vllm.worker.geometry_v032 import (
     geometry_from_config,
     single_tensor,
 )
-from elastickv.integrations.vllm.worker import (
+from elastickv.integrations.vllm.worker.worker import (
     PERSISTENT_MARK,
     advertised_capacity,
     attach_placement,

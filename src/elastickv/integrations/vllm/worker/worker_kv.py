@@ -67,8 +67,7 @@ class WorkerKV:
         except VmmError as exc:
             vmm_range.close()
             raise ElasticKVStartupError(
-                f"this worker (pid {os.getpid()}) cannot commit its KV cache's null block: "
-                f"{exc}"
+                f"this worker (pid {os.getpid()}) cannot commit its KV cache's null block: {exc}"
             ) from exc
         except BaseException:
             vmm_range.close()

@@ -11,7 +11,7 @@ handshake and, with its default ``kv_load_failure_policy="fail"``, every request
 it: an error, never wrong tokens.
 
 The hooks are installed lazily: :func:`install` wraps the connector factory, and the check
-(and the read hold of :mod:`~elastickv.integrations.vllm.kv_read_hold`) are put on the NIXL
+(and the read hold of :mod:`~elastickv.integrations.vllm.transfer.kv_read_hold`) are put on the NIXL
 classes only once a process creates a NIXL connector (so engines without a KV connector never
 import NIXL).
 """
@@ -22,8 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from elastickv.integrations.vllm import kv_read_hold, nixl_progress
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.transfer import kv_read_hold, nixl_progress
 
 FACTORY_MODULE = "vllm.distributed.kv_transfer.kv_connector.factory"
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -125,7 +125,7 @@ def install(
 ) -> None:
     """Check NIXL handshakes and hold unread blocks in every process that creates a NIXL
     connector, and set its NIXL progress thread's wait (``None``: the platform's default;
-    :mod:`~elastickv.integrations.vllm.nixl_progress`); idempotent."""
+    :mod:`~elastickv.integrations.vllm.transfer.nixl_progress`); idempotent."""
     nixl_progress.apply_when_loaded(nixl_wait_ms)
     if install_nixl_guard(read_hold_s):
         return

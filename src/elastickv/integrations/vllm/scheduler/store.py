@@ -30,7 +30,7 @@ def default_policy(config: ElasticConfig, device: str) -> CapacityPolicy:
     """The engine's ledger record on ``device`` (registered now, in the scheduler's process):
     every page is admitted from credit under its live limit (``ELASTICKV_BUDGET`` at start)
     and the device budget."""
-    from elastickv.integrations.vllm.registration import register_engine
+    from elastickv.integrations.vllm.engine.registration import register_engine
 
     return register_engine(config, device).policy
 

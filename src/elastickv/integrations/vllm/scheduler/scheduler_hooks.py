@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from elastickv.integrations.vllm.hooks import compile_hook, wrap_method
 
 if TYPE_CHECKING:
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
 
 # Once per step each: both start by finding the pool by attribute (no ``getattr`` defaults)
@@ -63,7 +63,7 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
     from vllm.v1.core import kv_cache_coordinator
     from vllm.v1.core.sched import scheduler
 
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     names = {"ElasticBlockPool": ElasticBlockPool, "elastic_pool": _elastic_pool}
 
@@ -120,7 +120,7 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
 
 def _elastic_pool(scheduler: Any) -> ElasticBlockPool | None:
     """The scheduler's block pool if it is elastic (None for a native engine's)."""
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     manager = getattr(scheduler, "kv_cache_manager", None)
     pool = getattr(manager, "block_pool", None)

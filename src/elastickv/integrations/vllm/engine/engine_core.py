@@ -26,21 +26,21 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from elastickv.integrations.vllm.config import ElasticConfig
+from elastickv.integrations.vllm.engine.idle_ticks import tick_while_idle
+from elastickv.integrations.vllm.engine.registration import describe_engine
+from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
-from elastickv.integrations.vllm.idle_ticks import tick_while_idle
 from elastickv.integrations.vllm.kv_export import (
     APPLY_METHOD,
     EXPORT_METHOD,
     KVExport,
     geometry_from_wire,
 )
-from elastickv.integrations.vllm.registration import describe_engine
-from elastickv.integrations.vllm.store import REGISTRY, ElasticStore, PolicyFactory
-from elastickv.integrations.vllm.watchdog import ParentWatchdog
+from elastickv.integrations.vllm.scheduler.store import REGISTRY, ElasticStore, PolicyFactory
 
 if TYPE_CHECKING:
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
 
 def _grants_pool(engine_core: Any) -> ElasticBlockPool | None:
-    from elastickv.integrations.vllm.block_pool import ElasticBlockPool
+    from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
     scheduler = getattr(engine_core, "scheduler", None)
     pool = getattr(getattr(scheduler, "kv_cache_manager", None), "block_pool", None)
