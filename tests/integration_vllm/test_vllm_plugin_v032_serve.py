@@ -43,12 +43,13 @@ from serve_harness import (
 )
 
 from elastickv.control import open_ledger
-from elastickv.models import ensure_tiny_model
+from elastickv.models import BUILTIN_MODELS, ensure_tiny_model
 from elastickv.ports import free_port
 
 pytestmark = pytest.mark.vllm
 
 MODELS = {"alpha": "tiny-llama", "beta": "tiny-llama-bf16"}
+DTYPE_ARGS = {name: BUILTIN_MODELS[model].vllm_args for name, model in MODELS.items()}
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"]
 ENGINE_ARGS += ["--seed", "0"]
@@ -137,7 +138,8 @@ def vllm_server(
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--kv-cache-memory-bytes", str(32 << 20), *ENGINE_ARGS]
+    # The dtype serve gives a built-in model (vLLM's "auto" would run tiny-llama in bf16).
+    cmd += ["--kv-cache-memory-bytes", str(32 << 20), *ENGINE_ARGS, *DTYPE_ARGS[name]]
     env = hermetic_env(cache_root, extra, multiprocess=True)
     with log.open("wb") as sink:
         proc = subprocess.Popen(

@@ -27,7 +27,12 @@ import psutil
 
 from elastickv.ports import free_port
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
-from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory, remove_leftovers
+from elastickv.serve.leftovers import (
+    make_rpc_dir,
+    private_shared_memory,
+    private_temp_env,
+    remove_leftovers,
+)
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
@@ -95,7 +100,7 @@ def build_launch(
         argv += ["--kv-cache-memory-bytes", str(cap)]
     if model.role is not None:
         argv += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
-    argv += list(model.args)
+    argv += engine_args(model)
     env = {
         k: v
         for k, v in (os.environ if base_env is None else base_env).items()
@@ -123,6 +128,17 @@ def build_launch(
         if source.get(passed):
             env[passed] = source[passed]
     return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
+
+
+def engine_args(model: ModelConfig) -> list[str]:
+    """The model's own vLLM arguments: its ``args``, after the dtype of a built-in model
+    unless ``args`` set one (vLLM's ``--dtype auto`` would run the float32 ``tiny-llama``
+    in bfloat16 on a CPU)."""
+    if model.builtin and not has_option(model.args, "--dtype"):
+        from elastickv.models import get_builtin_model
+
+        return [*get_builtin_model(model.source).vllm_args, *model.args]
+    return list(model.args)
 
 
 def log_path(log_dir: Path, name: str) -> Path:
@@ -191,7 +207,7 @@ class EngineProcess:
                 os.chmod(launch.log_path, 0o600)
                 proc = await asyncio.create_subprocess_exec(
                     *launch.argv,
-                    env={**launch.env, "VLLM_RPC_BASE_PATH": str(rpc_dir)},
+                    env=private_temp_env(launch.env, rpc_dir),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,
