@@ -381,3 +381,22 @@ def test_a_builtin_model_runs_in_its_own_dtype(tmp_path: Path) -> None:
     assert dtype("bf16") == ["bfloat16"]
     assert dtype("mine") == ["bfloat16"]  # the model's own args win, and only they count
     assert dtype("dir") == []  # a model directory: vLLM's choice, as the user gave it
+
+
+def test_settings_serve_ignores_are_named_with_the_one_meant() -> None:
+    """A mistyped ``ELASTICKV_*`` variable in serve's environment changed nothing, silently."""
+    env = {"ELASTICKV_BUGDET": "2G", "ELASTICKV_LEDGER_DIRR": "/x", "ELASTICKV_BUDGET": "2G"}
+    proc = run_cli("--check", env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert (
+        "elastickv serve: ignoring ELASTICKV_BUGDET from the environment (not an elastickv "
+        "setting: did you mean ELASTICKV_BUDGET?)" in lines
+    )
+    assert any(
+        "ELASTICKV_LEDGER_DIRR" in line and "ELASTICKV_LEDGER_DIR?" in line for line in lines
+    )
+    assert any(
+        "ELASTICKV_BUDGET from" in line and "from the configuration" in line for line in lines
+    )
+    assert "Traceback" not in proc.stderr

@@ -100,8 +100,29 @@ def _describe(config: Any) -> str:
     return "\n".join(lines)
 
 
+def _warn_ignored_settings() -> None:
+    import difflib
+    import os
+
+    from elastickv.integrations.vllm.config import KNOWN_VARIABLES
+    from elastickv.serve.engine import PASSED_SETTINGS, SERVE_SETTINGS, ignored_settings
+
+    for name in ignored_settings(os.environ):
+        known = [*PASSED_SETTINGS, *SERVE_SETTINGS]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        if close:
+            why = f"not a setting serve reads: did you mean {close[0]}?"
+        elif name in KNOWN_VARIABLES or name == "ELASTICKV":
+            why = "serve sets it for each engine from the configuration"
+        else:
+            close = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1, cutoff=0.6)
+            why = "not an elastickv setting" + (f": did you mean {close[0]}?" if close else "")
+        print(f"elastickv serve: ignoring {name} from the environment ({why})", file=sys.stderr)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = _config(args)
+    _warn_ignored_settings()
     if args.check:
         from elastickv.serve.app import ServeApp, ServeError
 

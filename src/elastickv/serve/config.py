@@ -540,10 +540,11 @@ def _validate(config: ServeConfig) -> None:
             _check_python(m.python, f"model {m.name!r} python")
     floors = sum(m.min_kv for m in config.models)
     if floors > config.budget:
+        parts = [format_bytes(m.min_kv) for m in config.models]
+        total = " + ".join(parts) + f" = {format_bytes(floors)}" if len(parts) > 1 else parts[0]
         raise ServeConfigError(
             f"[device] budget = {format_bytes(config.budget)} cannot guarantee the models' "
-            f"min_kv ({' + '.join(format_bytes(m.min_kv) for m in config.models)} = "
-            f"{format_bytes(floors)}); raise the budget or lower a min_kv"
+            f"min_kv ({total}); raise the budget or lower a min_kv"
         )
     if not 0 <= config.hot_max_pages <= 1024:
         raise ServeConfigError(f"[device] hot_max_pages = {config.hot_max_pages}: use 0..1024")

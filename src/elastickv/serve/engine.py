@@ -38,6 +38,17 @@ PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
 # is set by serve from the configuration.
 PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
+# ``ELASTICKV_*`` settings serve's own process reads (where it builds the built-in models).
+SERVE_SETTINGS = ("ELASTICKV_MODEL_CACHE",)
+
+
+def ignored_settings(environ: Mapping[str, str]) -> list[str]:
+    """The ``ELASTICKV*`` variables of serve's environment that change nothing: serve sets
+    its engines' settings from the configuration (a typo would otherwise go unnoticed)."""
+    used = {*PASSED_SETTINGS, *SERVE_SETTINGS}
+    return sorted(k for k in environ if k.startswith("ELASTICKV") and k not in used)
+
+
 # How long an engine's HTTP server keeps an idle connection open (vLLM's own default is 5 s).
 # The router's client gives up on an idle connection well before (ROUTER_KEEP_ALIVE_S), so it
 # never sends a request down a connection the engine is closing at that instant: that race
