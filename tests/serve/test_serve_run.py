@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -48,18 +49,21 @@ class Serve:
             self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
 
-    def wait_for(self, *needles: str, timeout: float = 120) -> str:
-        """The next log line holding any of ``needles`` (lines before it are kept)."""
+    def wait_for(self, *patterns: str, after: int = -1, timeout: float = 120) -> int:
+        """The index of the first log line after line ``after``, logged already or to come,
+        that matches any of ``patterns`` (regular expressions): lines of other models that
+        came meanwhile stay for later calls."""
         while True:
+            for index in range(after + 1, len(self.lines)):
+                if any(re.search(pattern, self.lines[index]) for pattern in patterns):
+                    return index
             try:
-                line = self._queue.get(timeout=timeout)
+                new = self._queue.get(timeout=timeout)
             except queue.Empty:
-                raise AssertionError(f"{needles} not logged:\n" + "\n".join(self.lines)) from None
-            if line is None:
-                raise AssertionError(f"serve ended before {needles}:\n" + "\n".join(self.lines))
-            self.lines.append(line)
-            if any(needle in line for needle in needles):
-                return line
+                raise AssertionError(f"{patterns} not logged:\n" + "\n".join(self.lines)) from None
+            if new is None:
+                raise AssertionError(f"serve ended before {patterns}:\n" + "\n".join(self.lines))
+            self.lines.append(new)
 
     def rest(self, timeout: float = 120) -> list[str]:
         """Every line until serve exits."""
@@ -131,13 +135,13 @@ def test_the_log_follows_every_state_and_nothing_is_left(tmp_path: Path, temp_di
             target=lambda: replies.put(urllib.request.urlopen(request, timeout=60).status),
             daemon=True,
         ).start()
-        serve.wait_for("a: idle -> serving", "a: kv-released -> serving")
+        served = serve.wait_for("a: idle -> serving", "a: kv-released -> serving")
         listed = elastickv_list(env)["a"]  # what the log has said is listed already
         assert listed["model"]["state"] == "serving" and listed["model"]["in_flight"] == 1
         (temp_dir / "gate").touch()
         assert replies.get(timeout=60) == 200
-        serve.wait_for("a: serving -> idle")  # was never logged
-        serve.wait_for("a: idle -> kv-released")
+        idle = serve.wait_for("a: serving -> idle", after=served)  # was never logged
+        serve.wait_for("a: idle -> kv-released", after=idle)
         listed = elastickv_list(env)["a"]
         model, record = listed["model"], listed["record"]
         assert model["state"] == "kv-released" and record is not None
@@ -145,8 +149,8 @@ def test_the_log_follows_every_state_and_nothing_is_left(tmp_path: Path, temp_di
         assert model["committed_bytes"] == record["used_bytes"] == 3 * (64 << 10)
         assert model["limit_bytes"] == record["limit_desired"] == 64 << 10
         assert model["over_limit_bytes"] == record["over_limit_bytes"] == 2 * (64 << 10)
-        serve.wait_for("b: kv-released -> stopped")
-        serve.wait_for("b: engine pid")
+        serve.wait_for("b: (idle|kv-released) -> stopped")
+        serve.wait_for(r"b: engine pid \d+ stopped$")
         assert elastickv_list(env)["b"]["record"] is None
     finally:
         with contextlib.suppress(ProcessLookupError):
