@@ -157,8 +157,8 @@ def test_serve_page_commands_run_as_written(tmp_path: Path) -> None:
     assert serve_log.splitlines()[-1].endswith("stopped: 2 engines, nothing left"), serve_log
     for model in ("tiny-llama", "tiny-llama-bf16"):
         assert f"{model}: starting -> idle" in serve_log
-    assert "tiny-llama: idle -> serving" in serve_log  # the curl completion
-    assert "tiny-llama-bf16: idle -> serving" in serve_log  # the curl chat
+    for model in ("tiny-llama", "tiny-llama-bf16"):  # the curl completion, the curl chat
+        assert re.search(rf"{model}: (idle|kv-released) -> serving", serve_log), serve_log
     answers = "".join(session.log).replace(" ", "")
     assert '"object":"text_completion"' in answers, answers[-3000:]
     assert '"object":"chat.completion"' in answers, answers[-3000:]
