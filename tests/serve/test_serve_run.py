@@ -174,3 +174,20 @@ def test_a_refused_start_leaves_no_log_folder(tmp_path: Path, temp_dir: Path) ->
     assert proc.returncode == 2
     assert "[device] budget = 100.0 TiB is more than" in proc.stderr
     assert list(temp_dir.iterdir()) == []
+
+
+def test_an_engine_that_cannot_start_keeps_its_log(tmp_path: Path, temp_dir: Path) -> None:
+    """The error names the engine's log; that log is kept (the folder is temporary)."""
+    path = config(tmp_path, free_port())
+    path.write_text(path.read_text() + 'env = { STANDIN_EXIT = "1" }\n')  # model b fails
+    env = environment(temp_dir, tmp_path / "ledger")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(path)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "engine logs kept in" in proc.stderr, proc.stderr
+    named = re.search(r"log (\S+/b\.log):", proc.stderr)
+    assert named is not None, proc.stderr
+    assert "failing on purpose" in Path(named.group(1)).read_text()
+    assert "stopped: 1 engine, nothing left" in proc.stderr  # a, which had started

@@ -78,6 +78,7 @@ class ServeApp:
         self._tasks: list[asyncio.Task[Any]] = []
         self._booted = False
         self._closing = False
+        self._start_failed: str | None = None  # the model whose first start failed
 
     # -- before anything starts -----------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class ServeApp:
         try:
             boot.result()
         except EngineStartError as exc:
+            self._start_failed = model.name  # its log is kept: the error names it
             raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
         return True
 
@@ -340,15 +342,18 @@ class ServeApp:
         return left
 
     def _report_stopped(self, engines: int, left: list[str]) -> None:
-        failed = [m.name for m in self.models.values() if m.restarts or m.failures_in_row]
-        logs = self._log_dir
+        failed = [f"{m.name} restarted" for m in self.models.values() if m.restarts]
+        failed += [f"{m.name} failed" for m in self.models.values() if m.failures_in_row]
+        if self._start_failed is not None:
+            failed.append(f"{self._start_failed} failed to start")
+        logs, where = self._log_dir, ""
         if logs is not None and self.config.log_dir is None:
             if failed or left:
-                logger.info("engine logs kept in %s (%s failed)", logs, ", ".join(failed) or "-")
+                where = f"; engine logs kept in {logs} ({', '.join(failed) or 'see above'})"
             else:
                 shutil.rmtree(logs, ignore_errors=True)  # temporary, and nothing went wrong
-                logs = None
-        where = f"; engine logs in {logs}" if logs is not None else ""
+        elif logs is not None:
+            where = f"; engine logs in {logs}"
         if left:
             logger.warning("stopped: %s; left behind: %s%s", _engines(engines), "; ".join(left),
                            where)  # fmt: skip

@@ -9,6 +9,7 @@ vLLM engine does.
   is answered once the file ``$STANDIN_GATE`` exists.
 - Like vLLM, it leaves a ``vllm_dist_*`` file in the temporary directory on every start.
 - SIGTERM: it unregisters and exits 0.
+- With ``STANDIN_EXIT`` set it fails at once (exit status 3), as an engine that cannot start.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args, _ = parser.parse_known_args()
+    if os.environ.get("STANDIN_EXIT"):
+        print(f"stand-in for {args.model}: failing on purpose", file=sys.stderr, flush=True)
+        sys.exit(3)
     rendezvous = os.path.join(tempfile.gettempdir(), f"vllm_dist_{uuid.uuid4().hex}")
     with open(rendezvous, "w") as out:
         out.write("torch.distributed's file store\n")
