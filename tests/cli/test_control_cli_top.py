@@ -269,13 +269,17 @@ def test_top_into_a_pipe_writes_each_frame_as_it_comes(ledger: Ledger) -> None:
         )  # fmt: skip
         try:
             assert proc.stdout is not None
-            titles = 0
-            seen: list[str] = []
-            while titles < 3:  # three frames arrive while top keeps running
-                line = proc.stdout.readline().decode()
-                assert line, f"top ended early: {''.join(seen)}"
-                seen.append(line)
-                titles += line.startswith("elastickv top")
+            out = proc.stdout.fileno()
+            data = b""
+            deadline = time.monotonic() + 60  # a failsafe: three frames take 0.4 s
+            while data.count(b"elastickv top") < 3:  # three frames while top keeps running
+                left = deadline - time.monotonic()
+                assert left > 0, f"no three frames from a running top: {data!r}"
+                if select.select([out], [], [], left)[0]:
+                    chunk = os.read(out, 65536)
+                    assert chunk, f"top ended early: {data!r}"
+                    data += chunk
+            seen = data.decode().splitlines()
             assert proc.poll() is None
             assert any(line.startswith("piped-instance") for line in seen)
             proc.send_signal(signal.SIGINT)
