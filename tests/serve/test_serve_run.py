@@ -24,10 +24,11 @@ from typing import Any
 
 import pytest
 
+import elastickv
 from elastickv.ports import free_port
 
 STANDIN = Path(__file__).with_name("standin")
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(elastickv.__file__).resolve().parents[1]  # the elastickv this test imports
 
 
 class Serve:
