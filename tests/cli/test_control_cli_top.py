@@ -227,3 +227,65 @@ def test_frame_shows_the_state_of_served_models(ledger: Ledger) -> None:
     chat = next(line for line in lines if line.startswith("chat"))
     other = next(line for line in lines if line.startswith("other"))
     assert "kv-released" in chat and "kv-released" not in other
+
+
+def test_frame_keeps_every_state_whole_at_80_columns(ledger: Ledger) -> None:
+    """At 80 columns the state was cut (``limit 4.0 MiB r11 i``): the bars now take only
+    what the names, figures and states leave, and none when too little is left."""
+    with ledger.register("tiny-llama") as a, ledger.register("tiny-llama-bf16") as b:
+        assert a.try_admit(576 << 10) and b.try_admit(2 * MiB)
+        for _ in range(10):
+            ledger.set_limit(a.name, "4M")
+        ledger.set_limit(b.name, "384K")  # b drains 1.6 MiB
+        served = {"tiny-llama": "idle", "tiny-llama-bf16": "kv-released"}
+        screens = {}
+        for columns in (80, 76):
+            console = Console(record=True, width=columns, color_system=None)
+            frame = render_frame(
+                ledger.snapshot(), device="host", interval=1.0, columns=columns, served=served
+            )
+            console.print(frame)
+            screens[columns] = console.export_text()
+    for columns, screen in screens.items():
+        lines = screen.splitlines()
+        assert all(len(line) <= columns for line in lines), (columns, screen)
+        row_a = next(line for line in lines if line.startswith("tiny-llama "))
+        row_b = next(line for line in lines if line.startswith("tiny-llama-bf16"))
+        assert row_a.rstrip().endswith("limit 4.0 MiB r11 idle"), screen
+        assert row_b.rstrip().endswith("draining 1.6 MiB kv-released"), screen
+        assert "576.0 KiB / 4.0 MiB" in row_a
+    rows = {c: [line for line in screen.splitlines() if line.startswith("tiny-llama")]
+            for c, screen in screens.items()}  # fmt: skip
+    assert all(COMMITTED in row for row in rows[80])  # room for bars at 80 columns
+    assert not any(COMMITTED in row or FREE in row for row in rows[76])  # too little at 76
+
+
+def test_top_into_a_pipe_writes_each_frame_as_it_comes(ledger: Ledger) -> None:
+    """``timeout 5 elastickv top`` (or ``| cat``) printed nothing for the whole time."""
+    with ledger.register("piped-instance"):
+        proc = subprocess.Popen(
+            [str(SCRIPT), "top", "--interval", "0.2"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            out = proc.stdout.fileno()
+            data = b""
+            deadline = time.monotonic() + 60  # a failsafe: three frames take 0.4 s
+            while data.count(b"elastickv top") < 3:  # three frames while top keeps running
+                left = deadline - time.monotonic()
+                assert left > 0, f"no three frames from a running top: {data!r}"
+                if select.select([out], [], [], left)[0]:
+                    chunk = os.read(out, 65536)
+                    assert chunk, f"top ended early: {data!r}"
+                    data += chunk
+            seen = data.decode().splitlines()
+            assert proc.poll() is None
+            assert any(line.startswith("piped-instance") for line in seen)
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0
+            assert proc.stderr is not None and proc.stderr.read() == b""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -4,25 +4,40 @@ A ```python block runs after the python blocks above it in the same file (a page
 build on each other), in a fresh interpreter. An HTML comment on the line before a block
 marks it: ``<!-- snippet: vllm -->`` (needs real vLLM: run by tests/vllm in the vLLM
 environments) or ``<!-- snippet: skip, REASON -->`` (cannot run in a test, e.g. needs a GPU;
-the reason is required). Shell blocks (```sh, ```bash, ```console) are not run: their
-``elastickv`` command lines must parse, their ``make`` targets and ``benchmarks/`` scripts
-must exist.
+the reason is required). In every shell block (```sh, ```bash, ```console) the ``elastickv``
+command lines must parse, the ``make`` targets and ``benchmarks/`` scripts must exist.
+
+The shell blocks of the pages in ``RUN_PAGES`` also run, command by command, in order, as a
+user types them (:class:`ShellSession`): a server (``elastickv serve``, vLLM's OpenAI server,
+``elastickv top``) runs in the background until the page ends, then gets Ctrl-C.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGUAGES = frozenset({"sh", "bash", "console"})
+# Pages whose shell blocks are run, not only checked.
+RUN_PAGES = (REPO / "docs" / "serve.md", REPO / "docs" / "vllm.md")
+# The ports the pages name (serve's and vLLM's defaults): a session moves each to a free one.
+DOC_PORTS = (8080, 8000)
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _MARKER = re.compile(r"^<!--\s*snippet:\s*(?P<kind>[a-z]+)\s*(?:,\s*(?P<reason>.*?))?\s*-->$")
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -157,3 +172,199 @@ def make_targets(makefile: Path = REPO / "Makefile") -> set[str]:
         if match:
             targets.update(match.group(1).split())
     return targets
+
+
+# -- running shell blocks ---------------------------------------------------------------------
+
+
+def page_commands(path: Path, marker: str | None) -> list[tuple[str, str]]:
+    """(``file:line``, command) of ``path``'s ```sh / ```bash blocks marked ``marker``, in
+    page order; ``make`` lines left out (the suite runs inside what they build: their
+    targets are checked to exist)."""
+    found = []
+    for snippet in snippets(path):
+        if snippet.language not in ("sh", "bash") or snippet.marker != marker:
+            continue
+        for line, command in command_lines(snippet):
+            words = simple_commands(command)
+            if words and Path(words[0][0]).name == "make":
+                continue
+            found.append((f"{path.relative_to(REPO)}:{line}", command))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+_COMMENT = re.compile(r"\s+#[^'\"]*$")
+
+
+@dataclass
+class Background:
+    """A long-running command of a page (a server, ``top``), with its output file."""
+
+    where: str
+    command: str
+    kind: str  # "serve", "vllm" or "top"
+    proc: subprocess.Popen[bytes]
+    output: Path
+    port: int | None
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def errors(self) -> str:
+        """Its error lines (vLLM's root cause is far above the end), then its last lines."""
+        lines = self.text().splitlines()
+        found = [line for line in lines if re.search(r"Error\b|error:", line)]
+        return "\n".join([*found[-20:], "...", *lines[-20:]])
+
+
+@dataclass
+class ShellSession:
+    """Runs a page's commands as a user would, one shell command at a time in the
+    repository's root, with a ledger directory and a temporary directory of its own, and
+    ``bin`` (the environment's scripts: ``python``, ``elastickv``) first on ``PATH``. The
+    documented ports move to free ones (a server command that names none gets ``--port``).
+    A server runs in the background (``start_new_session``) until :meth:`close`, which
+    sends it Ctrl-C and checks that it ended well and left no ledger record."""
+
+    workdir: Path
+    bin: Path
+    timeout: float = 600.0
+    ports: dict[int, int] = field(default_factory=dict)
+    background: list[Background] = field(default_factory=list)
+    ended: list[Background] = field(default_factory=list)  # stopped by close()
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ports = {port: _free_port() for port in DOC_PORTS}
+        self.temp = Path(tempfile.mkdtemp(prefix="ekv-doc-"))  # short: socket paths in it
+        self.env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")},
+            "PATH": f"{self.bin}{os.pathsep}{os.environ.get('PATH', '')}",
+            "ELASTICKV_LEDGER_DIR": str(self.workdir / "ledger"),
+            "TMPDIR": str(self.temp),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def rewrite(self, command: str) -> str:
+        """``command`` on this session's ports."""
+        for documented, port in self.ports.items():
+            command = re.sub(rf"\b{documented}\b", str(port), command)
+        server = self._server_port(command)
+        if server is not None and not re.search(r"--port\b", command):
+            body = _COMMENT.sub("", command)
+            command = f"{body} --port {server}"
+        return command
+
+    @staticmethod
+    def _kind(command: str) -> str | None:
+        """``serve``, ``vllm`` (its OpenAI server) or ``top``: what runs until stopped."""
+        words = [w for part in simple_commands(command) for w in part]
+        elastickv = bool(words) and Path(words[0]).name == "elastickv"
+        if elastickv and "serve" in words and "--check" not in words:
+            return "serve"
+        if elastickv and "top" in words and "--once" not in words:
+            return "top"
+        return "vllm" if "vllm.entrypoints.openai.api_server" in words else None
+
+    def _server_port(self, command: str) -> int | None:
+        """The port a server started by ``command`` listens on when it names none."""
+        kind = self._kind(command)
+        if kind == "serve" and "--config" not in command:
+            return self.ports[8080]
+        return self.ports[8000] if kind == "vllm" else None
+
+    def _long_running(self, command: str) -> bool:
+        return self._kind(command) is not None
+
+    def run(self, where: str, command: str) -> None:
+        """Run one documented command (AssertionError with its output if it fails)."""
+        command = self.rewrite(command)
+        self.log.append(f"$ {command}")
+        if self._long_running(command):
+            self._start(where, command)
+            return
+        result = subprocess.run(
+            ["bash", "-c", command], cwd=REPO, env=self.env, capture_output=True, text=True,
+            timeout=self.timeout, check=False,
+        )  # fmt: skip
+        self.log.append(result.stdout + result.stderr)
+        assert result.returncode == 0, (
+            f"{where}: `{command}` exited with {result.returncode}:\n{result.stdout[-3000:]}"
+            f"\n{result.stderr[-3000:]}"
+        )
+
+    def _start(self, where: str, command: str) -> None:
+        output = self.workdir / f"background-{len(self.background)}.log"
+        with output.open("wb") as sink:
+            proc = subprocess.Popen(
+                ["bash", "-c", command], cwd=REPO, env=self.env, stdout=sink,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        match = re.search(r"--port[ =](\d+)", command)
+        kind = self._kind(command) or ""
+        port = int(match.group(1)) if match and kind != "top" else None
+        job = Background(where, command, kind, proc, output, port)
+        self.background.append(job)
+        deadline = time.monotonic() + self.timeout
+        while not self._ready(job):
+            assert proc.poll() is None, f"{where}: `{command}` exited:\n{job.errors()}"
+            assert time.monotonic() < deadline, f"{where}: `{command}` never became ready"
+            time.sleep(0.5)
+
+    @staticmethod
+    def _ready(job: Background) -> bool:
+        if job.port is None:  # top: its first frame
+            return job.output.stat().st_size > 0
+        url = f"http://127.0.0.1:{job.port}/health"
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as answer:
+            return bool(answer.status == 200)
+        return False
+
+    def close(self) -> list[str]:
+        """Ctrl-C to every background command, last started first; the problems found:
+        one that did not exit with 0, ledger records left."""
+        problems = []
+        for job in reversed(self.background):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job.proc.pid, signal.SIGINT)
+            try:
+                code = job.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+                code = job.proc.wait()
+            self.log.append(f"[{job.where}] {job.command}\n{job.text()}")
+            self.ended.append(job)
+            if code != 0:
+                problems.append(f"{job.where}: `{job.command}` ended with {code} after Ctrl-C")
+        self.background.clear()
+        listing = subprocess.run(
+            [str(self.bin / "elastickv"), "list", "--json"], env=self.env, capture_output=True,
+            text=True, timeout=120, check=False,
+        )  # fmt: skip
+        left = json.loads(listing.stdout).get("instances", []) if listing.returncode == 0 else []
+        problems += [f"ledger record left: {i['name']} (pid {i['pid']})" for i in left]
+        shutil.rmtree(self.temp, ignore_errors=True)
+        return problems
+
+
+def run_page(path: Path, marker: str | None, workdir: Path, bin_dir: Path) -> ShellSession:
+    """Run ``path``'s ``marker`` shell blocks in one session; fails with the first command
+    that fails, or with what the servers left when stopped."""
+    session = ShellSession(workdir, bin_dir)
+    try:
+        for where, command in page_commands(path, marker):
+            session.run(where, command)
+    finally:
+        problems = session.close()
+    assert not problems, "\n".join(problems) + "\n" + "\n".join(session.log)[-6000:]
+    return session

@@ -1,25 +1,32 @@
 """Every snippet in README.md and docs/ works: python blocks run, shell blocks name commands
 that exist (``elastickv`` command lines parse, ``make`` targets and ``benchmarks/`` scripts
-exist). Each case is named by its file and line. See doc_snippets.py for the markers."""
+exist), and the commands of the pages in ``RUN_PAGES`` run as written (those marked
+``vllm`` in tests/vllm). Each case is named by its file and line. See doc_snippets.py for the
+markers."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import re
+import sys
 from pathlib import Path
 
 import pytest
 from doc_snippets import (
     REPO,
+    RUN_PAGES,
     SHELL_LANGUAGES,
     Snippet,
     all_snippets,
     command_lines,
     make_targets,
+    page_commands,
     python_snippets,
+    run_page,
     run_python,
     simple_commands,
+    snippets,
 )
 
 from elastickv.cli.main import parse_args
@@ -49,7 +56,8 @@ def test_every_marker_is_known_and_every_skip_has_a_reason() -> None:
     assert not unknown, f"unknown snippet markers (use one of {MARKERS}): {unknown}"
     no_reason = [s.id for s in marked if s.marker == "skip" and not s.reason]
     assert not no_reason, f"<!-- snippet: skip, REASON --> needs a reason: {no_reason}"
-    assert all(s.language == "python" for s in marked), "markers apply to python blocks"
+    runnable = {"python", "sh", "bash"}
+    assert all(s.language in runnable for s in marked), f"markers apply to {sorted(runnable)}"
     counts = {kind: sum(s.marker == kind for s in marked) for kind in MARKERS}
     print(f"doc snippets: {len(RUNNABLE)} run here, {counts['vllm']} in tests/vllm, "
           f"{counts['skip']} skipped")  # fmt: skip
@@ -126,3 +134,49 @@ def test_command_lines_are_split_like_a_shell() -> None:
         ["elastickv", "list"], ["grep", "x"], ["make", "demo"],
     ]  # fmt: skip
     assert {"demo", "test", "venv", "vllm-venvs", "clean"} <= make_targets()
+
+
+def test_every_shell_block_of_the_run_pages_runs_somewhere_or_says_why_not() -> None:
+    for page in RUN_PAGES:
+        for snippet in snippets(page):
+            if snippet.language in SHELL_LANGUAGES:
+                # console blocks mix commands with their output: not runnable as written.
+                assert snippet.language != "console", f"{snippet.id}: use ```sh"
+                assert snippet.marker in (None, "vllm", "skip"), snippet.id
+    assert page_commands(REPO / "docs" / "serve.md", None)
+    assert page_commands(REPO / "docs" / "vllm.md", "vllm")
+
+
+def test_serve_page_commands_run_as_written(tmp_path: Path) -> None:
+    """docs/serve.md's commands, in order: ``elastickv serve`` with the built-in models on
+    real vLLM (the project's vLLM environment), requests with curl, ``elastickv list``; then
+    Ctrl-C, after which serve's log ends with every engine stopped and nothing left."""
+    session = run_page(REPO / "docs" / "serve.md", None, tmp_path, Path(sys.executable).parent)
+    (serve,) = [job for job in session.ended if job.kind == "serve"]
+    serve_log = serve.text().strip()
+    assert serve_log.splitlines()[-1].endswith("stopped: 2 engines, nothing left"), serve_log
+    for model in ("tiny-llama", "tiny-llama-bf16"):
+        assert f"{model}: starting -> idle" in serve_log
+    for model in ("tiny-llama", "tiny-llama-bf16"):  # the curl completion, the curl chat
+        assert re.search(rf"{model}: (idle|kv-released) -> serving", serve_log), serve_log
+    answers = "".join(session.log).replace(" ", "")
+    assert '"object":"text_completion"' in answers, answers[-3000:]
+    assert '"object":"chat.completion"' in answers, answers[-3000:]
+
+
+def test_serve_page_configurations_are_accepted() -> None:
+    """Every TOML example of docs/serve.md is a configuration serve accepts (with a built-in
+    model and no interpreter in place of the paths this machine does not have)."""
+    import tomllib
+
+    from elastickv.serve.config import config_from_mapping
+
+    examples = [s for s in snippets(REPO / "docs" / "serve.md") if s.language == "toml"]
+    assert len(examples) >= 2
+    for example in examples:
+        data = tomllib.loads(example.text)
+        data.pop("python", None)
+        data.setdefault("device", {"budget": "8G"})
+        for model in data["model"]:
+            model["model"] = "tiny-llama"
+        config_from_mapping(data, source=example.id)

@@ -44,12 +44,13 @@ from serve_harness import (
 )
 
 from elastickv.control import open_ledger
-from elastickv.models import ensure_tiny_model
+from elastickv.models import BUILTIN_MODELS, ensure_tiny_model
 from elastickv.ports import free_port
 
 pytestmark = pytest.mark.vllm
 
 MODELS = {"alpha": "tiny-llama", "beta": "tiny-llama-bf16"}
+DTYPE_ARGS = {name: BUILTIN_MODELS[model].vllm_args for name, model in MODELS.items()}
 MAX_MODEL_LEN = 512
 ENGINE_ARGS = ["--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", "32"]
 ENGINE_ARGS += ["--seed", "0"]
@@ -61,11 +62,12 @@ MAX_TOKENS = 16
 LOAD_REQUESTS = 16  # each burst needs more than half the budget, also with admission headroom
 LOAD_TOKENS = 48
 RELEASE_AFTER_S = 3
-# How far apart two logprobs may be and still count as the same value. The fp32 model's
-# logits are large: fp32 resolves differences between them only to 2^-6 (every top-2 margin
-# of the load is a multiple of it, 12 of 768 are exact ties), and computing the same requests
-# in other batches moves a logprob by up to one such step (native vLLM, the load batched 16,
-# 4 or 1 at a time). Four steps.
+# How far apart two logprobs may be and still count as the same value: computing the same
+# requests in other batches moves a logprob (native vLLM, the load batched 16, 4 or 1 at a
+# time). Sized when vLLM's dtype auto ran alpha (tiny-llama) in bf16: its top-2 margins were
+# multiples of 2^-6 (12 of 768 exact ties) and batching moved a logprob by up to one such
+# step; four steps. serve now runs it in fp32 (--dtype float32, as the natives here), where
+# batching moves a logprob far less: a loose bound.
 TIE = 4 * 2.0**-6
 # The bf16 model's logits carry 8 significant bits: its top-2 margins are multiples of 2^-6
 # at these magnitudes and near-ties are common (4 of the 64 tokens of the short prompts are
@@ -138,7 +140,8 @@ def vllm_server(
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
     cmd += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port)]
-    cmd += ["--kv-cache-memory-bytes", str(32 << 20), *ENGINE_ARGS]
+    # The dtype serve gives a built-in model (vLLM's "auto" would run tiny-llama in bf16).
+    cmd += ["--kv-cache-memory-bytes", str(32 << 20), *ENGINE_ARGS, *DTYPE_ARGS[name]]
     env = hermetic_env(cache_root, extra, multiprocess=True)
     with log.open("wb") as sink:
         proc = subprocess.Popen(
@@ -479,10 +482,10 @@ def test_shared_budget_moves_memory_and_is_never_exceeded(
         assert all(status == 200 and len(ids) == LOAD_TOKENS for status, ids in load), name
     # The fp32 model's greedy ids equal native ones up to a near-tie, and every logprob up
     # to it agrees within TIE: which of two tied tokens wins depends on the batch a token
-    # was computed in, in native vLLM as well (batching the load 4 at a time instead of 16
-    # flips request 3's token 13, two tokens with the same logprob), and a moving budget
-    # batches differently from an unlimited engine. (bf16 rounding moves logprobs much more,
-    # so the bf16 model is checked for completeness above.)
+    # was computed in, in native vLLM as well (in bf16, batching the load 4 at a time instead
+    # of 16 flipped request 3's token 13, two tokens with the same logprob), and a moving
+    # budget batches differently from an unlimited engine. (bf16 rounding moves logprobs much
+    # more, so the bf16 model is checked for completeness above.)
     native = native_and_orphan["alpha"]
     got = serve_run["load"]["alpha"]
     for i, ((_, got_ids), (_, want_ids)) in enumerate(zip(got, native["load"], strict=True)):

@@ -3,6 +3,7 @@ field — before anything starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,7 +102,26 @@ model = "tiny-llama-bf16"
         (mapping(model(), model(name="a")), "model name 'a' is used twice"),
         (mapping(model(name="bad name")), "model name 'bad name'"),
         (mapping(model(min_kv="60M"), model(name="b", min_kv="8M")), "cannot guarantee"),
-        (mapping(model(), page_size="3K"), "page_size = 3072: must be a power of two"),
+        # The page size as it was typed, not in bytes.
+        (mapping(model(), page_size="3K"), "page_size = '3K' (3.0 KiB): must be a power of two"),
+        # A misspelt built-in model gets the name it was meant to be.
+        (mapping(model(model="tiny-llma")), "tiny-llama-deep); did you mean 'tiny-llama'?"),
+        # Contradictions: a pinned model is never stopped; stopping before releasing.
+        (
+            mapping(model(pinned=True, stop_after="20s")),
+            "pinned = true never stops it, but stop_after = '20s' stops it after 20 s idle",
+        ),
+        (
+            mapping(model(stop_after="5s", release_after="30s")),
+            "stop_after = 5s is not longer than its release_after = 30s (the default)",
+        ),
+        (mapping(model(stop_after="5s")), "release_after = 30s (the default): its engine would"),
+        (
+            mapping(model(min_kv="64K")),
+            "min_kv = 64.0 KiB is smaller than one page ([device] page_size = 2.0 MiB (the "
+            "default)); give it at least the engine's null block and one request, or use smaller "
+            'pages (e.g. page_size = "64K")',
+        ),
         (mapping(model(), budget="lots"), "[device] budget = 'lots': not a size"),
         ({"device": {"budget": "1G"}}, "no [[model]] tables"),
         ({"model": [model()]}, "[device] budget is required"),
@@ -241,10 +261,11 @@ def test_unreadable_or_invalid_toml(tmp_path: Path) -> None:
         load_config(broken)
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "elastickv.cli.main", "serve", *args],
         capture_output=True, text=True, timeout=120, start_new_session=True,
+        env=None if env is None else {**os.environ, **env},
     )  # fmt: skip
 
 
@@ -264,3 +285,118 @@ def test_cli_check_prints_the_plan() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "tiny-llama:" in proc.stdout and "tiny-llama-bf16:" in proc.stdout
     assert "KV budget 32.0 MiB" in proc.stdout
+
+
+def test_pinned_means_never_stopped_and_agrees_with_never() -> None:
+    pinned = config_from_mapping(mapping(model(pinned=True)), source="t").models[0]
+    assert pinned.pinned and pinned.stop_after_s is None
+    both = config_from_mapping(mapping(model(pinned=True, stop_after="never")), source="t")
+    assert both.models[0].stop_after_s is None
+    tiers = config_from_mapping(mapping(model(release_after="5s", stop_after="1m")), source="t")
+    assert (tiers.models[0].release_after_s, tiers.models[0].stop_after_s) == (5.0, 60.0)
+    # Straight to stopping, without the release tier, is said explicitly.
+    direct = config_from_mapping(mapping(model(release_after="never", stop_after="5s")), source="t")
+    assert (direct.models[0].release_after_s, direct.models[0].stop_after_s) == (None, 5.0)
+
+
+@pytest.mark.parametrize(
+    ("budget", "engines", "page", "floor"),
+    [
+        (8 << 30, 2, 2 << 20, 64 << 20),  # plenty: DEFAULT_MIN_KV each
+        (16 << 20, 1, 2 << 20, 16 << 20),  # a lone model on a small budget: all of it
+        (20 << 20, 3, 2 << 20, 6 << 20),  # an even share, in whole pages
+        (1 << 20, 2, 2 << 20, 2 << 20),  # never less than a page (the budget check then says so)
+    ],
+)
+def test_an_unset_min_kv_is_a_share_of_the_budget_in_pages(
+    budget: int, engines: int, page: int, floor: int
+) -> None:
+    from elastickv.serve.config import default_min_kv
+
+    assert default_min_kv(budget, engines, page) == floor
+
+
+def test_flags_without_min_kv_fit_a_small_budget() -> None:
+    """``--model tiny-llama --budget 16M`` was refused: min_kv defaulted to 64 MiB."""
+    config = config_from_flags(["tiny-llama"], min_kv=None, max_kv=None, budget=16 << 20)
+    assert config.models[0].min_kv == 16 << 20
+    pair = config_from_flags(["a=tiny-llama", "b=tiny-llama"], min_kv=None, max_kv=None,
+                             budget=16 << 20)  # fmt: skip
+    assert [m.min_kv for m in pair.models] == [8 << 20, 8 << 20]
+    pd = config_from_mapping(mapping(model(pd=True), budget="64M"), source="t")
+    assert [m.min_kv for m in pd.models] == [32 << 20, 32 << 20]  # two engines
+
+
+def test_flag_sizes_are_echoed_as_typed() -> None:
+    proc = run_cli("--page-size", "3K", "--check")
+    assert proc.returncode == 2
+    assert "--page-size = '3K' (3.0 KiB): must be a power of two" in proc.stderr
+    proc = run_cli("--budget", "lots", "--check")
+    assert proc.returncode == 2 and "--budget = 'lots': not a size" in proc.stderr
+
+
+def test_check_refuses_what_a_start_refuses(tmp_path: Path) -> None:
+    """``serve --check --budget 100G`` said nothing while the start refused the budget."""
+    env = {"ELASTICKV_LEDGER_DIR": str(tmp_path / "ledger")}
+    proc = run_cli("--budget", "100T", "--check", env=env)
+    assert proc.returncode == 2, proc.stdout
+    assert "[device] budget = 100.0 TiB is more than the" in proc.stderr
+    assert "a new host ledger has" in proc.stderr
+    assert not (tmp_path / "ledger").exists()  # nothing created
+    from elastickv.control import open_ledger
+
+    with open_ledger("host", directory=str(tmp_path / "ledger"), total_bytes=64 << 20,
+                     utilization=1.0) as ledger, ledger.register("tiny-llama"):  # fmt: skip
+        clash = run_cli("--check", env=env)
+        assert clash.returncode == 2
+        assert "already has live instances named 'tiny-llama'" in clash.stderr
+    small = run_cli("--check", "--budget", "128M", env=env)  # the ledger stays: 64 MiB
+    assert small.returncode == 2
+    assert "more than the host ledger has available (64.0 MiB of 64.0 MiB" in small.stderr
+    fits = run_cli("--check", env=env)
+    assert fits.returncode == 0, fits.stderr
+    assert "host ledger" in fits.stdout and "64.0 MiB of 64.0 MiB available" in fits.stdout
+
+
+def test_a_builtin_model_runs_in_its_own_dtype(tmp_path: Path) -> None:
+    """vLLM's ``--dtype auto`` ran the float32 ``tiny-llama`` in bfloat16 ("Downcasting
+    torch.float32 to torch.bfloat16"), while the docs call it fp32."""
+    from elastickv.serve.engine import build_launch
+
+    (tmp_path / "config.json").write_text("{}")
+    data = mapping(
+        model(name="fp32"),
+        model(name="bf16", model="tiny-llama-bf16"),
+        model(name="mine", args=["--dtype", "bfloat16"]),
+        model(name="dir", model=str(tmp_path)),
+    )
+    config = config_from_mapping(data, source="t")
+
+    def dtype(name: str) -> list[str]:
+        argv = list(build_launch(config, config.model(name), python="py", model_path="/m",
+                                 port=1, log_dir=tmp_path).argv)  # fmt: skip
+        return [argv[i + 1] for i, a in enumerate(argv) if a == "--dtype"]
+
+    assert dtype("fp32") == ["float32"]
+    assert dtype("bf16") == ["bfloat16"]
+    assert dtype("mine") == ["bfloat16"]  # the model's own args win, and only they count
+    assert dtype("dir") == []  # a model directory: vLLM's choice, as the user gave it
+
+
+def test_settings_serve_ignores_are_named_with_the_one_meant() -> None:
+    """A mistyped ``ELASTICKV_*`` variable in serve's environment changed nothing, silently."""
+    env = {"ELASTICKV_BUGDET": "2G", "ELASTICKV_LEDGER_DIRR": "/x", "ELASTICKV_BUDGET": "2G"}
+    proc = run_cli("--check", env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert (
+        "elastickv serve: ignoring ELASTICKV_BUGDET from the environment (not an elastickv "
+        "setting: did you mean ELASTICKV_BUDGET?)" in lines
+    )
+    assert any(
+        "ELASTICKV_LEDGER_DIRR" in line and "ELASTICKV_LEDGER_DIR?" in line for line in lines
+    )
+    assert any(
+        "ELASTICKV_BUDGET from" in line and "from the configuration" in line for line in lines
+    )
+    assert "Traceback" not in proc.stderr

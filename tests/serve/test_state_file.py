@@ -68,3 +68,33 @@ def test_list_shows_served_models_and_their_state(ledger_dir: Path) -> None:
     assert "elastickv serve (pid" in text and "http://127.0.0.1:8080/v1" in text
     assert "kv-released" in text and "stopped" in text
     assert as_json["serve"][0]["models"][1]["state"] == "stopped"
+
+
+def run_list(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "list", *args],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+
+
+def test_list_shows_one_reading_of_the_ledger_in_both_tables(ledger_dir: Path) -> None:
+    """The serve table showed the bytes serve's file had (``USED 2.0 MiB LIMIT 16.5 MiB``)
+    next to the ledger's own (``LIMIT 6.4 MiB COMMITTED 6.4 MiB``): now both come from the
+    one snapshot ``list`` takes, and a model above a lowered limit is draining in both."""
+    write_state(DOC)  # says 1 MiB used, 1 MiB limit
+    name = "chat-model-with-a-long-name"
+    with open_ledger("host") as ledger, ledger.register(name, limit=4 << 20) as handle:
+        assert handle.try_admit(3 << 20)
+        ledger.set_limit(name, 2 << 20)  # a release lowered it: 1 MiB to drain
+        listing = json.loads(run_list("--json"))
+        text = run_list()
+    (record,) = listing["instances"]
+    model = listing["serve"][0]["models"][0]
+    assert (model["committed_bytes"], model["limit_bytes"]) == (3 << 20, 2 << 20)
+    assert (record["used_bytes"], record["limit_desired"]) == (3 << 20, 2 << 20)
+    assert model["over_limit_bytes"] == record["over_limit_bytes"] == 1 << 20
+    assert listing["serve"][0]["models"][1]["committed_bytes"] is None  # stopped: no record
+    instance_row, served_row = (line for line in text.splitlines() if line.startswith(name))
+    assert "3.0 MiB" in instance_row and "kv-released, draining 1.0 MiB" in instance_row
+    assert served_row.split()[1:5] == ["kv-released,", "draining", "1.0", "MiB"]
+    assert "3.0 MiB" in served_row and "2.0 MiB" in served_row and "1.0 MiB" in served_row

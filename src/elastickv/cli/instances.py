@@ -50,12 +50,34 @@ def run_list(args: argparse.Namespace) -> int:
         return 0
     with open_existing(args.device) as ledger, user_errors():
         snap = ledger.snapshot()
-    served = read_states() if args.device == "host" else []
+    served = served_view(read_states(), snap) if args.device == "host" else []
     if args.json:
         print(json.dumps({"ledger": path, "exists": True, **snapshot_dict(snap), "serve": served}))
     else:
         render_list(snap, output_console(), served)
     return 0
+
+
+def served_view(documents: Sequence[dict[str, Any]], snap: LedgerSnapshot) -> list[dict[str, Any]]:
+    """The running serves' models with the bytes and limits of ``snap``: the same reading
+    as the instance table (serve's file has what it last wrote, up to a moment old). A model
+    without a record (stopped, or a native engine in static mode) keeps the file's figures."""
+    records = {info.name: info for info in snap.instances}
+    view = []
+    for document in documents:
+        models = []
+        for model in document.get("models", []):
+            info = records.get(model["name"])
+            if info is not None:
+                model = {
+                    **model,
+                    "committed_bytes": info.used_bytes,
+                    "limit_bytes": info.limit_desired,
+                    "over_limit_bytes": info.over_limit_bytes,
+                }
+            models.append(model)
+        view.append({**document, "models": models})
+    return view
 
 
 def usage_line(usage: DeviceUsage) -> str:
@@ -114,9 +136,12 @@ def render_served(doc: dict[str, Any], console: Console) -> None:
     for column in ("MODEL", "STATE", "USED", "LIMIT", "MIN", "CAP", "IN-FLIGHT", "WAITING"):
         table.add_column(column, justify="left" if column in ("MODEL", "STATE") else "right")
     for m in doc.get("models", []):
+        state = m["state"]
+        if m.get("over_limit_bytes"):
+            state += f", draining {format_bytes(m['over_limit_bytes'])}"
         table.add_row(
             m["name"],
-            m["state"],
+            state,
             "-" if m["committed_bytes"] is None else format_bytes(m["committed_bytes"]),
             "-" if m["limit_bytes"] is None else format_bytes(m["limit_bytes"]),
             format_bytes(m["min_kv"]),

@@ -26,7 +26,7 @@ def register(commands: Any) -> None:
         "limit",
         help="set an instance's memory limit live",
         description="Set the limit of a registered instance: a size (512M, 2G, 2GiB), a "
-        "percentage of the device budget (30%%), or 'none'. A shrink stops growth at once and "
+        "percentage of the device budget (30%), or 'none'. A shrink stops growth at once and "
         "drains lazily; raising the limit re-enables growth. Prints the new revision.",
     )
     p.add_argument("name", help="instance name (see `elastickv list`)")

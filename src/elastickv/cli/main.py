@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +19,7 @@ from elastickv.cli.errors import UserError
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("elastickv.cli.serve", "serve several models on one device behind one endpoint"),
     "layout": ("elastickv.cli.layout", "inspect KV-cache layouts"),
+    "models": ("elastickv.cli.models", "the built-in tiny models: shapes, paths, vLLM arguments"),
     "demo": ("elastickv.cli.demo", "serve the built-in models under a bursty load, live"),
     "list": ("elastickv.cli.instances", "list the elastic instances on a device"),
     "limit": ("elastickv.cli.limit", "set an instance's memory limit live"),
@@ -55,9 +57,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         code: int = args.run(args)
+        sys.stdout.flush()
     except UserError as err:
         print(f"elastickv: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader stopped reading (`| head`): it had what it wanted. Nothing more is
+        # written, and the flush at exit must not fail on the closed pipe either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 

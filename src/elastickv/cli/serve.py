@@ -33,21 +33,33 @@ def register(commands: Any) -> None:
     p.add_argument("--budget", help="KV bytes all models share, e.g. 8G")
     p.add_argument("--min-kv", help="with --model: KV bytes guaranteed to each model")
     p.add_argument("--max-kv", help="with --model: most KV bytes one model may hold")
-    p.add_argument("--page-size", help="commit/release unit, e.g. 2M (default) or 64K")
+    p.add_argument(
+        "--page-size",
+        help="commit/release unit, e.g. 64K (default: 2M; 64K for the built-in models served "
+        "without --config or --model)",
+    )
     p.add_argument("--host", help="router address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="router port (default 8080)")
     p.add_argument("--python", help="Python interpreter with vLLM and elastickv for the engines")
     p.add_argument("--log-dir", help="where engine logs go (default: a new temporary folder)")
     p.add_argument(
-        "--check", action="store_true", help="validate the configuration, print it, start nothing"
+        "--check",
+        action="store_true",
+        help="make every check a start makes (configuration, engine Python, ledger, budget), "
+        "print the plan, start nothing",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log arbiter decisions too")
     p.set_defaults(run=run_serve)
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from elastickv.serve.config import ServeConfigError, config_from_flags, load_config
-    from elastickv.units import parse_size
+    from elastickv.serve.config import (
+        ServeConfigError,
+        config_from_flags,
+        load_config,
+        page_size_value,
+        size_value,
+    )
 
     try:
         overrides: dict[str, Any] = {
@@ -55,12 +67,11 @@ def _config(args: argparse.Namespace) -> Any:
             "port": args.port,
             "python": args.python,
             "log_dir": args.log_dir,
-            "budget": None if args.budget is None else parse_size(args.budget),
-            "page_size": None if args.page_size is None else parse_size(args.page_size),
+            "budget": None if args.budget is None else size_value(args.budget, "--budget"),
+            "page_size": (
+                None if args.page_size is None else page_size_value(args.page_size, "--page-size")
+            ),
         }
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    try:
         if args.config:
             if args.model or args.min_kv or args.max_kv:
                 raise UserError("--model, --min-kv and --max-kv cannot be combined with --config")
@@ -71,6 +82,8 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _describe(config: Any) -> str:
+    from elastickv.serve.engine import engine_args
+
     lines = [
         f"router http://{config.host}:{config.port}/v1, KV budget {format_bytes(config.budget)}, "
         f"page {format_bytes(config.page_size)} ({config.source})"
@@ -81,15 +94,44 @@ def _describe(config: Any) -> str:
         lines.append(
             f"  {m.name}: {m.source}  min_kv {format_bytes(m.min_kv)}  cap "
             f"{format_bytes(config.cap_of(m))}  priority {m.priority}  release after {release}"
-            f"  stop after {stop}" + (f"  args {' '.join(m.args)}" if m.args else "")
+            f"  stop after {stop}"
+            + (f"  args {' '.join(engine_args(m))}" if engine_args(m) else "")
         )
     return "\n".join(lines)
 
 
+def _warn_ignored_settings() -> None:
+    import difflib
+    import os
+
+    from elastickv.integrations.vllm.config import KNOWN_VARIABLES
+    from elastickv.serve.engine import PASSED_SETTINGS, SERVE_SETTINGS, ignored_settings
+
+    for name in ignored_settings(os.environ):
+        known = [*PASSED_SETTINGS, *SERVE_SETTINGS]
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+        if close:
+            why = f"not a setting serve reads: did you mean {close[0]}?"
+        elif name in KNOWN_VARIABLES or name == "ELASTICKV":
+            why = "serve sets it for each engine from the configuration"
+        else:
+            close = difflib.get_close_matches(name, sorted(KNOWN_VARIABLES), n=1, cutoff=0.6)
+            why = "not an elastickv setting" + (f": did you mean {close[0]}?" if close else "")
+        print(f"elastickv serve: ignoring {name} from the environment ({why})", file=sys.stderr)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     config = _config(args)
+    _warn_ignored_settings()
     if args.check:
+        from elastickv.serve.app import ServeApp, ServeError
+
+        try:
+            found = ServeApp(config).preflight()
+        except ServeError as exc:
+            raise UserError(str(exc)) from None
         print(_describe(config))
+        print("\n".join(found))
         return 0
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

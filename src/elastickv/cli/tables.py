@@ -20,9 +20,17 @@ from rich.text import Text
 PIPE_WIDTH = 1000
 
 
+class _OutputConsole(Console):
+    """rich's console, except that a reader closing the pipe (``| head``) is not an error:
+    rich exits with status 1 there; the command line's ``main`` exits with 0."""
+
+    def on_broken_pipe(self) -> None:
+        raise BrokenPipeError
+
+
 def output_console(**kwargs: Any) -> Console:
     """A console for command output: the terminal's width, or natural width when piped."""
-    console = Console(**kwargs)
+    console = _OutputConsole(**kwargs)
     if not console.is_terminal:
         console.width = PIPE_WIDTH
     return console

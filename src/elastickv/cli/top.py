@@ -1,4 +1,6 @@
 """``elastickv top``: a live view of a device's ledger, refreshed every ``--interval`` seconds.
+On a terminal each frame replaces the last; into a pipe or a file, the frames follow each
+other, a blank line between them.
 
 The ledger stays open between frames (one snapshot per frame, no polling in between); if it is
 missing or damaged the frame says so and the next tick tries again, so ``top`` can be started
@@ -183,6 +185,18 @@ def run_top(args: argparse.Namespace) -> int:
 
         if args.once:
             console.print(frame(), crop=False)
+            return 0
+        if not console.is_terminal:
+            # A pipe or a log: one frame after the other, each written at once (rich's live
+            # display shows nothing but its last frame there, so `timeout 5 elastickv top`
+            # printed nothing at all).
+            with KeyReader(sys.stdin) as keys:
+                while True:
+                    console.print(frame(), crop=False)
+                    console.print()
+                    console.file.flush()
+                    if keys.wait(args.interval):
+                        break
             return 0
         live = Live(
             frame(),

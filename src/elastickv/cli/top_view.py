@@ -6,7 +6,7 @@ Kept apart from the terminal loop so a frame can be rendered (and tested) on its
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -58,13 +58,26 @@ def _instance_state(info: InstanceInfo, served: str | None = None) -> Text:
     return text
 
 
-# Cells the text columns take besides the name: figures, percentage, state, gaps.
-TEXT_COLUMNS = 52
+# The widest bar, and the narrowest worth showing: below it the frame has no bars.
+MAX_BAR = 48
+MIN_BAR = 4
+# Cells between two columns of a table without a box: one cell of padding on each side.
+COLUMN_GAP = 2
+HEADERS = ("NAME", "", "USED / LIMIT", "", "STATE")
 
 
-def bar_width(columns: int, name_width: int = 14) -> int:
-    """Bars take what the names (shown whole) and the text columns leave of the width."""
-    return max(4, min(48, columns - name_width - TEXT_COLUMNS))
+DEVICE_LABEL = "DEVICE "
+
+
+def bar_width(columns: int, text_widths: Sequence[int], device_text: int) -> int:
+    """The bars take what the text columns (``text_widths``, shown whole) and the gaps
+    between all five columns leave of the width, and what the device line's label and
+    figures (``device_text`` cells) leave of it: 0 (no bars) when that is less than
+    ``MIN_BAR``, so no state or figure is ever cut."""
+    table = columns - sum(text_widths) - COLUMN_GAP * len(text_widths)
+    device = columns - len(DEVICE_LABEL) - 1 - device_text
+    left = min(MAX_BAR, table, device)
+    return left if left >= MIN_BAR else 0
 
 
 def render_frame(
@@ -88,36 +101,51 @@ def render_frame(
     )
     if snap is None:
         return Group(title, Text(problem or "no ledger", style="yellow"))
-    width = bar_width(columns, max((len(i.name) for i in snap.instances), default=4))
-    usage = snap.usage
-    device_line = Text.assemble(
-        ("DEVICE ", "bold"),
-        usage_bar(usage.committed_bytes, usage.reserved_bytes, usage.budget_bytes, width=width),
-        f" {format_bytes(usage.used_bytes)} / {format_bytes(usage.budget_bytes)} budget"
-        f" {_percent(usage.used_bytes, usage.budget_bytes).strip()}, {usage.instances} "
-        f"instance{'s' if usage.instances != 1 else ''}",
-    )
-    table = Table(box=None, pad_edge=False)
-    # The header sits over the figures, so a short bar does not widen its column.
-    table.add_column("NAME", no_wrap=True)
-    table.add_column("", no_wrap=True)
-    table.add_column("USED / LIMIT", justify="right", no_wrap=True)
-    table.add_column("", justify="right", no_wrap=True)
-    table.add_column("STATE")
-    for info in snap.instances:
-        table.add_row(
-            info.name,
-            usage_bar(
-                info.committed_bytes,
-                info.reserved_bytes,
-                info.limit_effective,
-                width=width,
-                over=info.draining,
-            ),
+    rows = [
+        (
+            info,
             f"{format_bytes(info.used_bytes)} / {format_bytes(info.limit_effective)}",
             _percent(info.used_bytes, info.limit_effective),
             _instance_state(info, (served or {}).get(info.name)),
         )
+        for info in snap.instances
+    ]
+    text_widths = [
+        max([len(HEADERS[0]), *(len(info.name) for info, *_ in rows)]),
+        max([len(HEADERS[2]), *(len(figures) for _, figures, _, _ in rows)]),
+        max([0, *(len(percent) for _, _, percent, _ in rows)]),
+        max([len(HEADERS[4]), *(state.cell_len for *_, state in rows)]),
+    ]
+    usage = snap.usage
+    device_text = (
+        f"{format_bytes(usage.used_bytes)} / {format_bytes(usage.budget_bytes)} budget"
+        f" {_percent(usage.used_bytes, usage.budget_bytes).strip()}, {usage.instances} "
+        f"instance{'s' if usage.instances != 1 else ''}"
+    )
+    width = bar_width(columns, text_widths, len(device_text))
+    device_line = Text.assemble(
+        (DEVICE_LABEL, "bold"),
+        usage_bar(usage.committed_bytes, usage.reserved_bytes, usage.budget_bytes, width=width),
+        " " if width else "",
+        device_text,
+    )
+    table = Table(box=None, pad_edge=False)
+    # The header sits over the figures, so a short bar does not widen its column.
+    table.add_column(HEADERS[0], no_wrap=True)
+    if width:
+        table.add_column(HEADERS[1], no_wrap=True)
+    table.add_column(HEADERS[2], justify="right", no_wrap=True)
+    table.add_column(HEADERS[3], justify="right", no_wrap=True)
+    table.add_column(HEADERS[4], no_wrap=True)
+    for info, figures, percent, state in rows:
+        bar = usage_bar(
+            info.committed_bytes,
+            info.reserved_bytes,
+            info.limit_effective,
+            width=width,
+            over=info.draining,
+        )
+        table.add_row(info.name, *([bar] if width else []), figures, percent, state)
     legend = Text.assemble(
         (COMMITTED, "green"),
         " committed  ",

@@ -11,9 +11,11 @@ from elastickv.models.tiny import (
     TINY_LLAMA_DEEP,
     TinyModelSpec,
     build_tiny_model,
+    builtin_name_of,
     default_cache_dir,
     ensure_tiny_model,
     get_builtin_model,
+    tiny_model_path,
     tiny_model_tensor_shapes,
 )
 
@@ -28,8 +30,10 @@ __all__ = [
     "TINY_LLAMA_DEEP",
     "TinyModelSpec",
     "build_tiny_model",
+    "builtin_name_of",
     "default_cache_dir",
     "ensure_tiny_model",
     "get_builtin_model",
+    "tiny_model_path",
     "tiny_model_tensor_shapes",
 ]

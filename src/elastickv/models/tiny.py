@@ -35,9 +35,11 @@ __all__ = [
     "TINY_LLAMA_DEEP",
     "TinyModelSpec",
     "build_tiny_model",
+    "builtin_name_of",
     "default_cache_dir",
     "ensure_tiny_model",
     "get_builtin_model",
+    "tiny_model_path",
     "tiny_model_tensor_shapes",
 ]
 
@@ -175,6 +177,19 @@ class TinyModelSpec:
         payload = {"format": _BUILD_FORMAT_VERSION, "spec": self.to_dict()}
         blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes in vLLM (K and V of every layer, in ``dtype``)."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * itemsize
+
+    @property
+    def vllm_args(self) -> tuple[str, ...]:
+        """The vLLM arguments that serve this model in its own dtype. vLLM's default,
+        ``--dtype auto``, runs a float32 checkpoint in bfloat16 on a CPU (its log says
+        "Downcasting torch.float32 to torch.bfloat16")."""
+        return ("--dtype", self.dtype)
 
     @property
     def num_parameters(self) -> int:
@@ -317,8 +332,8 @@ def ensure_tiny_model(
     """
     if isinstance(spec, str):
         spec = get_builtin_model(spec)
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"{spec.name}-{spec.digest()}"
+    final = tiny_model_path(spec, cache_dir)
+    root = final.parent
     if final.is_dir():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -337,6 +352,26 @@ def ensure_tiny_model(
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def tiny_model_path(
+    spec: TinyModelSpec | str, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """Where :func:`ensure_tiny_model` keeps ``spec``'s build (built or not): the cache
+    entry ``<name>-<digest>``, so a changed spec or builder never reuses a stale build."""
+    if isinstance(spec, str):
+        spec = get_builtin_model(spec)
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return root / f"{spec.name}-{spec.digest()}"
+
+
+def builtin_name_of(path: str | os.PathLike[str]) -> str | None:
+    """The built-in model whose cache entry ``path`` names (``tiny-llama-294ab082d78f`` ->
+    ``tiny-llama``), wherever the cache is; None for any other path."""
+    entry = os.path.basename(os.fspath(path).rstrip("/"))
+    name, _, digest = entry.rpartition("-")
+    spec = BUILTIN_MODELS.get(name)
+    return name if spec is not None and digest == spec.digest() else None
 
 
 def _file_mode(model_dir: Path) -> int:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import subprocess
 import tempfile
 import time
@@ -21,11 +22,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from elastickv.control import Ledger, LedgerError, open_ledger
+from elastickv.control import DEFAULT_UTILIZATION, Ledger, LedgerError, open_ledger
+from elastickv.control.ledger import host_total_bytes
+from elastickv.control.paths import HOST_DEVICE, ledger_directory, ledger_path
 from elastickv.ports import free_port
 from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
 from elastickv.serve.config import ModelConfig, ServeConfig
-from elastickv.serve.engine import EngineStartError, build_launch, log_path
+from elastickv.serve.engine import EngineStartError, build_launch, log_path, session_processes
 from elastickv.serve.leftovers import remove_stale_rpc_dirs
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
@@ -37,6 +40,10 @@ from elastickv.units import format_bytes
 
 logger = logging.getLogger("elastickv.serve")
 IDLE_CHECK_S = 0.5
+
+
+def _engines(count: int) -> str:
+    return f"{count} engine" + ("" if count == 1 else "s")
 
 
 class ServeError(RuntimeError):
@@ -55,7 +62,10 @@ class ServeApp:
     def __init__(self, config: ServeConfig, *, ledger_dir: str | None = None) -> None:
         self.config = config
         self.ledger_dir = ledger_dir or os.environ.get("ELASTICKV_LEDGER_DIR") or None
-        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="elastickv-serve-"))
+        # Engine logs: the configured folder, else a temporary one made at the first engine
+        # start (a run refused before that leaves none) and removed at the end unless an
+        # engine failed (see :meth:`shutdown`).
+        self._log_dir: Path | None = Path(config.log_dir) if config.log_dir else None
         self.pythons: dict[str, str] = {}
         self.paths: dict[str, str] = {}
         self.models: dict[str, ServedModel] = {}
@@ -66,20 +76,59 @@ class ServeApp:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
-        self._state_dirty = True
         self._booted = False
+        self._closing = False
+        self._start_failed: str | None = None  # the model whose first start failed
 
     # -- before anything starts -----------------------------------------------------------------
 
+    @property
+    def log_dir(self) -> Path:
+        if self._log_dir is None:
+            self._log_dir = Path(tempfile.mkdtemp(prefix="elastickv-serve-"))
+        return self._log_dir
+
     def check(self) -> None:
         """Everything that can fail before a process starts; raises ServeError."""
+        self._find_pythons()
+        for model in self.config.models:
+            self.paths[model.name] = self._model_path(model)
+
+    def _find_pythons(self) -> None:
         try:
             for model in self.config.models:
                 self.pythons[model.name] = find_engine_python(model.python, self.config.python)
         except EnginePythonError as exc:
             raise ServeError(str(exc)) from None
-        for model in self.config.models:
-            self.paths[model.name] = self._model_path(model)
+
+    def preflight(self) -> list[str]:
+        """``serve --check``: every check a start makes before its first process (the engine
+        Python, the ledger's names and budget), creating nothing; raises ServeError with
+        what a start would refuse, else returns what it found, one line each."""
+        self._find_pythons()
+        lines = [f"engine Python {p}" for p in dict.fromkeys(self.pythons.values())]
+        path = ledger_path(HOST_DEVICE, self.ledger_dir or ledger_directory())
+        if os.path.exists(path) and os.path.getsize(path) > 0:
+            try:
+                ledger = open_ledger("host", directory=self.ledger_dir, create=False)
+            except (LedgerError, ValueError, OSError) as exc:
+                raise ServeError(f"cannot open the host ledger: {exc}") from None
+            with ledger:
+                self._check_ledger(ledger)
+                usage = ledger.device_usage()
+            lines.append(
+                f"host ledger {path}: {format_bytes(usage.available_bytes)} of "
+                f"{format_bytes(usage.budget_bytes)} available"
+            )
+        else:
+            budget = int(host_total_bytes() * DEFAULT_UTILIZATION)
+            self._check_budget(
+                budget,
+                f"the {format_bytes(budget)} a new host ledger has ({DEFAULT_UTILIZATION:.0%} of "
+                f"this machine's memory; {path})",
+            )
+            lines.append(f"host ledger {path}: not created yet, budget {format_bytes(budget)}")
+        return lines
 
     def _model_path(self, model: ModelConfig) -> str:
         if not model.builtin:
@@ -109,24 +158,35 @@ class ServeApp:
         except (LedgerError, ValueError, OSError) as exc:
             raise ServeError(f"cannot open the host ledger: {exc}") from None
         try:
-            taken = {i.name: i.pid for i in ledger.list_instances()}
-            clash = [f"{n!r} (pid {taken[n]})" for n in self.config.names() if n in taken]
-            if clash:
-                raise ServeError(
-                    f"the ledger {ledger.path} already has live instances named "
-                    f"{', '.join(clash)}; stop them or serve under other names"
-                )
-            usage = ledger.device_usage()
-            if self.config.budget > usage.available_bytes:
-                raise ServeError(
-                    f"[device] budget = {format_bytes(self.config.budget)} is more than the "
-                    f"host ledger has available ({format_bytes(usage.available_bytes)} of "
-                    f"{format_bytes(usage.budget_bytes)}; see `elastickv list`)"
-                )
+            self._check_ledger(ledger)
         except BaseException:
             ledger.close()
             raise
         return ledger
+
+    def _check_ledger(self, ledger: Ledger) -> None:
+        """No live instance holds a model's name, and the budget fits what is available."""
+        taken = {i.name: i.pid for i in ledger.list_instances()}
+        clash = [f"{n!r} (pid {taken[n]})" for n in self.config.names() if n in taken]
+        if clash:
+            raise ServeError(
+                f"the ledger {ledger.path} already has live instances named "
+                f"{', '.join(clash)}; stop them or serve under other names"
+            )
+        usage = ledger.device_usage()
+        self._check_budget(
+            usage.available_bytes,
+            f"the host ledger has available ({format_bytes(usage.available_bytes)} of "
+            f"{format_bytes(usage.budget_bytes)}; see `elastickv list`)",
+        )
+
+    def _check_budget(self, available: int, what: str) -> None:
+        if self.config.budget <= available:
+            return
+        raise ServeError(
+            f"[device] budget = {format_bytes(self.config.budget)} is more than {what}; "
+            "lower the budget"
+        )
 
     # -- running --------------------------------------------------------------------------------
 
@@ -171,6 +231,7 @@ class ServeApp:
         try:
             boot.result()
         except EngineStartError as exc:
+            self._start_failed = model.name  # its log is kept: the error names it
             raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
         return True
 
@@ -235,16 +296,16 @@ class ServeApp:
                 idle_policy = arbiter is not None and self._booted
                 for model in list(self.models.values()) if idle_policy else []:
                     await model.apply_idle_policy(now)
-                if self._state_dirty:
-                    self._state_dirty = False
-                    self._publish()
+                self._publish()  # the bytes and limits, which change without a state change
                 await asyncio.sleep(IDLE_CHECK_S)
         finally:
             if arbiter is not None:
                 arbiter.cancel()
 
     async def shutdown(self) -> None:
-        """Stop the router, every engine (SIGTERM, then SIGKILL), the loops; idempotent."""
+        """Stop the router, every engine (SIGTERM, then SIGKILL), the loops; idempotent. The
+        last line it logs says how many engines stopped and whether anything was left."""
+        self._closing = True  # no state file is written from here on
         for task in self._tasks:
             task.cancel()
         self._tasks.clear()
@@ -259,9 +320,45 @@ class ServeApp:
                 await self._session.close()
                 self._session = None
             remove_state(self.ledger_dir)
+            stopped = [(m.name, pid) for m in self.models.values() for pid in m.stopped_on_exit]
+            left = self._left_behind(stopped)
             if self.ledger is not None:
                 self.ledger.close()
                 self.ledger = None
+            if self.models:
+                self._report_stopped(len(stopped), left)
+
+    def _left_behind(self, engines: list[tuple[str, int]]) -> list[str]:
+        """What the stopped engines left: processes of their sessions, ledger records."""
+        left = [f"{name}: process {p.pid}" for name, pid in engines for p in session_processes(pid)]
+        if self.ledger is not None and not self.config.static:
+            with contextlib.suppress(LedgerError, OSError):
+                names = set(self.config.names())
+                left += [
+                    f"{i.name}: ledger record (pid {i.pid})"
+                    for i in self.ledger.list_instances()
+                    if i.name in names
+                ]
+        return left
+
+    def _report_stopped(self, engines: int, left: list[str]) -> None:
+        failed = [f"{m.name} restarted" for m in self.models.values() if m.restarts]
+        failed += [f"{m.name} failed" for m in self.models.values() if m.failures_in_row]
+        if self._start_failed is not None:
+            failed.append(f"{self._start_failed} failed to start")
+        logs, where = self._log_dir, ""
+        if logs is not None and self.config.log_dir is None:
+            if failed or left:
+                where = f"; engine logs kept in {logs} ({', '.join(failed) or 'see above'})"
+            else:
+                shutil.rmtree(logs, ignore_errors=True)  # temporary, and nothing went wrong
+        elif logs is not None:
+            where = f"; engine logs in {logs}"
+        if left:
+            logger.warning("stopped: %s; left behind: %s%s", _engines(engines), "; ".join(left),
+                           where)  # fmt: skip
+        else:
+            logger.info("stopped: %s, nothing left%s", _engines(engines), where)
 
     def kill(self) -> None:
         for model in self.models.values():
@@ -270,7 +367,8 @@ class ServeApp:
     # -- hooks the models call ------------------------------------------------------------------
 
     def _changed(self) -> None:
-        self._state_dirty = True
+        # Published at once: `elastickv list` shows a state as soon as the log has said it.
+        self._publish()
         if self.arbiter is not None:
             self.arbiter.kick()
 
@@ -334,7 +432,7 @@ class ServeApp:
                     "restarts": m.restarts,
                     "committed_bytes": used,
                     "limit_bytes": limit,
-                    "log": str(log_path(self.log_dir, m.name)),
+                    "log": None if self._log_dir is None else str(log_path(self._log_dir, m.name)),
                 }
             )
         return {
@@ -355,6 +453,8 @@ class ServeApp:
         return info.used_bytes, info.limit_desired
 
     def _publish(self) -> None:
+        if self._closing:
+            return
         with contextlib.suppress(OSError):
             write_state(self.describe(), self.ledger_dir)
 

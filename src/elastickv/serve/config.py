@@ -30,8 +30,9 @@ that names the field, the value and what is accepted.
     [[model]]                     # one model as a prefill engine + a decode engine (NIXL)
     name = "chat-pd"
     model = "/models/llama"
-    pd = { prefill_env = { VLLM_CPU_OMP_THREADS_BIND = "0" },
-           decode_env = { VLLM_CPU_OMP_THREADS_BIND = "1" } }   # or: pd = true
+    [model.pd]                    # or, in the [[model]] table: pd = true
+    prefill_env = { VLLM_CPU_OMP_THREADS_BIND = "0" }
+    decode_env = { VLLM_CPU_OMP_THREADS_BIND = "1" }
 
 A ``pd`` model is served under its name and runs as two engines, ``<name>/prefill`` and
 ``<name>/decode`` (each with the model's args, min_kv and max_kv, plus ``prefill_args`` /
@@ -41,6 +42,7 @@ progress threads wait); the router does the two-step exchange.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -60,6 +62,18 @@ DEFAULT_WAKE_TIMEOUT_S = 300.0
 DEFAULT_PAGE_SIZE = 2 << 20
 DEFAULT_RELEASE_AFTER_S = 30.0
 DEFAULT_STOP_AFTER_S = 600.0
+DEFAULT_HOT_MAX_PAGES = 4
+# A model's min_kv when none is given: this much, or its share of the budget if that is less.
+DEFAULT_MIN_KV = 64 << 20
+# ``ModelConfig.min_kv`` meaning "not given": :class:`ServeConfig` resolves it (see
+# :func:`default_min_kv`), so every model of a configuration has its real floor.
+MIN_KV_UNSET = 0
+# The no-argument configuration: the built-in models on a small budget in small pages, so
+# memory visibly moves between them.
+BUILTIN_BUDGET = 32 << 20
+BUILTIN_PAGE_SIZE = 64 << 10
+BUILTIN_MIN_KV = 4 << 20
+BUILTIN_MAX_KV = 24 << 20
 _NEVER = frozenset({"never", "none", "off"})
 _NAME = re.compile(r"^[A-Za-z0-9][\w.:@+\-/]{0,63}$")
 
@@ -75,10 +89,10 @@ class ModelConfig:
     name: str
     source: str  # a directory, or a built-in tiny model name
     args: tuple[str, ...] = ()
-    min_kv: int = 64 << 20
+    min_kv: int = MIN_KV_UNSET  # resolved by ServeConfig: see default_min_kv
     max_kv: int | None = None  # None: the device budget minus the other models' floors
     priority: int = 0
-    pinned: bool = False
+    pinned: bool = False  # never stopped: stop_after_s is then None
     release_after_s: float | None = DEFAULT_RELEASE_AFTER_S
     stop_after_s: float | None = DEFAULT_STOP_AFTER_S
     python: str | None = None  # the interpreter with vLLM; None: the serve-wide choice
@@ -87,6 +101,10 @@ class ModelConfig:
     group: str | None = None  # a P/D engine's pair: the name clients use
     # A P/D engine: NIXL's progress thread's wait (0: it spins; None: the plugin's default).
     nixl_progress_wait_ms: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.pinned:  # the readers refuse pinned with a stop_after (a contradiction)
+            object.__setattr__(self, "stop_after_s", None)
 
     @property
     def served_name(self) -> str:
@@ -113,7 +131,7 @@ class ServeConfig:
     wake_timeout_s: float = DEFAULT_WAKE_TIMEOUT_S
     python: str | None = None
     log_dir: str | None = None
-    hot_max_pages: int = 4
+    hot_max_pages: int = DEFAULT_HOT_MAX_PAGES
     mode: str = "elastic"  # or "static": native vLLM, a fixed budget/N each (a baseline)
     source: str = "built-in defaults"  # where it came from, for messages
 
@@ -149,34 +167,43 @@ class ServeConfig:
         return list(dict.fromkeys(m.served_name for m in self.models))
 
     def __post_init__(self) -> None:
+        if any(m.min_kv == MIN_KV_UNSET for m in self.models):
+            floor = default_min_kv(self.budget, len(self.models), self.page_size)
+            models = tuple(
+                replace(m, min_kv=floor) if m.min_kv == MIN_KV_UNSET else m for m in self.models
+            )
+            object.__setattr__(self, "models", models)
         _validate(self)
+
+
+def default_min_kv(budget: int, engines: int, page_size: int) -> int:
+    """A model's ``min_kv`` when none is given: ``DEFAULT_MIN_KV``, or an even share of the
+    budget among the engines if that is less, in whole pages (at least one)."""
+    floor = min(DEFAULT_MIN_KV, budget // max(1, engines))
+    if page_size > 0:
+        floor = max(page_size, floor // page_size * page_size)
+    return floor
 
 
 def builtin_config(**overrides: Any) -> ServeConfig:
     """No configuration at all: the two built-in tiny models (different shapes) sharing a
-    small budget in 64 KiB pages, so memory visibly moves between them."""
-    models = (
+    small budget in small pages, so memory visibly moves between them. Their idle tiers are
+    every model's defaults."""
+    models = tuple(
         ModelConfig(
-            name="tiny-llama",
-            source="tiny-llama",
+            name=name,
+            source=name,
             args=("--enforce-eager",),
-            min_kv=4 << 20,
-            max_kv=24 << 20,
-            release_after_s=20.0,
-            stop_after_s=None,
-            pinned=True,
-        ),
-        ModelConfig(
-            name="tiny-llama-bf16",
-            source="tiny-llama-bf16",
-            args=("--enforce-eager",),
-            min_kv=4 << 20,
-            max_kv=24 << 20,
-            release_after_s=20.0,
-            stop_after_s=300.0,
-        ),
+            min_kv=BUILTIN_MIN_KV,
+            max_kv=BUILTIN_MAX_KV,
+        )
+        for name in ("tiny-llama", "tiny-llama-bf16")
     )
-    values: dict[str, Any] = {"models": models, "budget": 32 << 20, "page_size": 64 << 10}
+    values: dict[str, Any] = {
+        "models": models,
+        "budget": BUILTIN_BUDGET,
+        "page_size": BUILTIN_PAGE_SIZE,
+    }
     values.update(overrides)
     return ServeConfig(**values)
 
@@ -209,6 +236,7 @@ _SERVE_OWNED_ENV = (
     "VLLM_NIXL_SIDE_CHANNEL_PORT",
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE",
     "VLLM_RPC_BASE_PATH",
+    "TMPDIR",
 )
 
 
@@ -262,7 +290,7 @@ def _wake_timeout(value: Any, label: str) -> float | None:
 
 # (table, key, ServeConfig field, reader) of the optional serve-wide settings.
 _SERVE_FIELDS: tuple[tuple[str, str, str, Callable[[Any, str], Any]], ...] = (
-    ("device", "page_size", "page_size", lambda v, label: _size(v, label)),
+    ("device", "page_size", "page_size", lambda v, label: page_size_value(v, label)),
     ("device", "mode", "mode", lambda v, label: _str(v, label)),
     ("device", "hot_max_pages", "hot_max_pages", lambda v, label: _int(v, label)),
     ("router", "host", "host", lambda v, label: _str(v, label)),
@@ -433,6 +461,12 @@ def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
         values["release_after_s"] = _duration(raw["release_after"], f"{label} release_after")
     if "stop_after" in raw:
         values["stop_after_s"] = _duration(raw["stop_after"], f"{label} stop_after")
+        if values.get("pinned") and values["stop_after_s"] is not None:
+            raise ServeConfigError(
+                f"{label}: pinned = true never stops it, but stop_after = "
+                f"{raw['stop_after']!r} stops it after {values['stop_after_s']:g} s idle; "
+                'remove one of them (pinned = true is the same as stop_after = "never")'
+            )
     if "python" in raw:
         values["python"] = _str(raw["python"], f"{label} python")
     return ModelConfig(**values)
@@ -447,6 +481,13 @@ def _validate(config: ServeConfig) -> None:
     if config.mode not in MODES:
         raise ServeConfigError(
             f'[device] mode = {config.mode!r}: use "elastic" (default) or "static"'
+        )
+    page = config.page_size
+    if not _page_size_ok(page):
+        os_page = format_bytes(os.sysconf("SC_PAGE_SIZE"))
+        raise ServeConfigError(
+            f"[device] page_size = {format_bytes(page)} ({page} bytes): "
+            + _PAGE_RULE.format(os_page=os_page)
         )
     seen: set[str] = set()
     for m in config.models:
@@ -470,10 +511,12 @@ def _validate(config: ServeConfig) -> None:
                 '[device] mode = "static" runs native vLLM; remove it or use mode "elastic"'
             )
         if m.min_kv < config.page_size:
+            default = " (the default)" if config.page_size == DEFAULT_PAGE_SIZE else ""
             raise ServeConfigError(
                 f"model {m.name!r} min_kv = {format_bytes(m.min_kv)} is smaller than one page "
-                f"({format_bytes(config.page_size)}); give it at least the engine's null block "
-                "and one request"
+                f"([device] page_size = {format_bytes(config.page_size)}{default}); give it at "
+                "least the engine's null block and one request, or use smaller pages (e.g. "
+                'page_size = "64K")'
             )
         if m.max_kv is not None and m.max_kv < m.min_kv:
             raise ServeConfigError(
@@ -484,20 +527,24 @@ def _validate(config: ServeConfig) -> None:
             raise ServeConfigError(f"model {m.name!r} release_after must be positive or never")
         if m.stop_after_s is not None and m.stop_after_s <= 0:
             raise ServeConfigError(f"model {m.name!r} stop_after must be positive or never")
+        release, stop = m.release_after_s, m.stop_after_s
+        if release is not None and stop is not None and stop <= release:
+            default = " (the default)" if release == DEFAULT_RELEASE_AFTER_S else ""
+            raise ServeConfigError(
+                f"model {m.name!r} stop_after = {stop:g}s is not longer than its release_after "
+                f"= {release:g}s{default}: its engine would stop before its KV is released; "
+                f'set release_after below {stop:g}s, or release_after = "never" to go straight '
+                "to stopping"
+            )
         if m.python is not None:
             _check_python(m.python, f"model {m.name!r} python")
     floors = sum(m.min_kv for m in config.models)
     if floors > config.budget:
+        parts = [format_bytes(m.min_kv) for m in config.models]
+        total = " + ".join(parts) + f" = {format_bytes(floors)}" if len(parts) > 1 else parts[0]
         raise ServeConfigError(
             f"[device] budget = {format_bytes(config.budget)} cannot guarantee the models' "
-            f"min_kv ({' + '.join(format_bytes(m.min_kv) for m in config.models)} = "
-            f"{format_bytes(floors)}); raise the budget or lower a min_kv"
-        )
-    page = config.page_size
-    if page <= 0 or page % os.sysconf("SC_PAGE_SIZE") or page & (page - 1):
-        raise ServeConfigError(
-            f"[device] page_size = {page}: must be a power of two and a multiple of the OS page "
-            f"size ({os.sysconf('SC_PAGE_SIZE')}), e.g. 64K or 2M"
+            f"min_kv ({total}); raise the budget or lower a min_kv"
         )
     if not 0 <= config.hot_max_pages <= 1024:
         raise ServeConfigError(f"[device] hot_max_pages = {config.hot_max_pages}: use 0..1024")
@@ -518,9 +565,13 @@ def _check_source(model: ModelConfig) -> None:
         return
     path = Path(model.source).expanduser()
     if not path.is_dir():
+        from elastickv.models import BUILTIN_MODELS
+
+        close = difflib.get_close_matches(model.source, list(BUILTIN_MODELS), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise ServeConfigError(
             f"model {model.name!r}: model = {model.source!r} is neither a model directory nor a "
-            f"built-in tiny model ({_builtin_names()})"
+            f"built-in tiny model ({_builtin_names()}){hint}"
         )
     if not (path / "config.json").is_file():
         raise ServeConfigError(
@@ -568,6 +619,29 @@ def _int(value: Any, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ServeConfigError(f"{label} = {value!r}: must be a whole number")
     return value
+
+
+_PAGE_RULE = "must be a power of two and a multiple of the OS page size ({os_page}), e.g. 64K or 2M"
+
+
+def _page_size_ok(page: int) -> bool:
+    return page > 0 and page % os.sysconf("SC_PAGE_SIZE") == 0 and page & (page - 1) == 0
+
+
+def page_size_value(value: Any, label: str) -> int:
+    """A page size as typed (``"64K"``, ``65536``); the error echoes it as typed."""
+    page = _size(value, label)
+    if not _page_size_ok(page):
+        raise ServeConfigError(
+            f"{label} = {value!r} ({format_bytes(page)}): "
+            + _PAGE_RULE.format(os_page=format_bytes(os.sysconf("SC_PAGE_SIZE")))
+        )
+    return page
+
+
+def size_value(value: Any, label: str) -> int:
+    """A positive size as typed (``"8G"``, ``4096``); the error names ``label``."""
+    return _size(value, label)
 
 
 def _size(value: Any, label: str) -> int:

@@ -27,12 +27,28 @@ import psutil
 
 from elastickv.ports import free_port
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
-from elastickv.serve.leftovers import make_rpc_dir, private_shared_memory, remove_leftovers
+from elastickv.serve.leftovers import (
+    make_rpc_dir,
+    private_shared_memory,
+    private_temp_env,
+    remove_leftovers,
+)
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
 # is set by serve from the configuration.
 PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
+# ``ELASTICKV_*`` settings serve's own process reads (where it builds the built-in models).
+SERVE_SETTINGS = ("ELASTICKV_MODEL_CACHE",)
+
+
+def ignored_settings(environ: Mapping[str, str]) -> list[str]:
+    """The ``ELASTICKV*`` variables of serve's environment that change nothing: serve sets
+    its engines' settings from the configuration (a typo would otherwise go unnoticed)."""
+    used = {*PASSED_SETTINGS, *SERVE_SETTINGS}
+    return sorted(k for k in environ if k.startswith("ELASTICKV") and k not in used)
+
+
 # How long an engine's HTTP server keeps an idle connection open (vLLM's own default is 5 s).
 # The router's client gives up on an idle connection well before (ROUTER_KEEP_ALIVE_S), so it
 # never sends a request down a connection the engine is closing at that instant: that race
@@ -95,7 +111,7 @@ def build_launch(
         argv += ["--kv-cache-memory-bytes", str(cap)]
     if model.role is not None:
         argv += ["--kv-transfer-config", PD_KV_TRANSFER_CONFIG]
-    argv += list(model.args)
+    argv += engine_args(model)
     env = {
         k: v
         for k, v in (os.environ if base_env is None else base_env).items()
@@ -123,6 +139,17 @@ def build_launch(
         if source.get(passed):
             env[passed] = source[passed]
     return EngineLaunch(model.name, tuple(argv), env, port, log_path(log_dir, model.name))
+
+
+def engine_args(model: ModelConfig) -> list[str]:
+    """The model's own vLLM arguments: its ``args``, after the dtype of a built-in model
+    unless ``args`` set one (vLLM's ``--dtype auto`` would run the float32 ``tiny-llama``
+    in bfloat16 on a CPU)."""
+    if model.builtin and not has_option(model.args, "--dtype"):
+        from elastickv.models import get_builtin_model
+
+        return [*get_builtin_model(model.source).vllm_args, *model.args]
+    return list(model.args)
 
 
 def log_path(log_dir: Path, name: str) -> Path:
@@ -191,7 +218,7 @@ class EngineProcess:
                 os.chmod(launch.log_path, 0o600)
                 proc = await asyncio.create_subprocess_exec(
                     *launch.argv,
-                    env={**launch.env, "VLLM_RPC_BASE_PATH": str(rpc_dir)},
+                    env=private_temp_env(launch.env, rpc_dir),
                     stdin=asyncio.subprocess.DEVNULL,
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,

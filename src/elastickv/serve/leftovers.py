@@ -1,6 +1,6 @@
 """What a vLLM engine leaves behind when it stops or dies, and how serve keeps it contained:
-its IPC sockets (a private directory per engine start) and its private shared memory in
-``/dev/shm``. :class:`~elastickv.serve.engine.EngineProcess` removes both
+its IPC sockets and temporary files (a private directory per engine start) and its private
+shared memory in ``/dev/shm``. :class:`~elastickv.serve.engine.EngineProcess` removes both
 (:func:`remove_leftovers`) once the engine's processes are gone; :func:`remove_stale_rpc_dirs`
 removes what a serve killed with ``-9`` left.
 """
@@ -8,13 +8,14 @@ removes what a serve killed with ``-9`` left.
 from __future__ import annotations
 
 import contextlib
+import getpass
 import os
 import re
 import shutil
 import stat
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import psutil
@@ -49,6 +50,23 @@ def make_rpc_dir() -> Path:
             f"sockets (a unix socket path holds 107 bytes); set TMPDIR to a shorter one"
         )
     return path
+
+
+def private_temp_env(env: Mapping[str, str], private_dir: Path) -> dict[str, str]:
+    """``env`` for an engine whose temporary files go to ``private_dir`` (removed with it):
+    its IPC sockets (``VLLM_RPC_BASE_PATH``) and everything its processes put in the
+    temporary directory (``TMPDIR``), such as torch.distributed's ``vllm_dist_*`` rendezvous
+    file, one per start, that vLLM never removes. torch's compile cache stays where it was
+    (``TORCHINDUCTOR_CACHE_DIR``), so a woken engine reuses it."""
+    if not env.get("TORCHINDUCTOR_CACHE_DIR"):
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = f"uid_{os.getuid()}"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)
+        inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": inductor}
+    return {**env, "VLLM_RPC_BASE_PATH": str(private_dir), "TMPDIR": str(private_dir)}
 
 
 def remove_stale_rpc_dirs() -> list[Path]:

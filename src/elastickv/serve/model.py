@@ -91,6 +91,7 @@ class ServedModel:
         self.last_start_s: float | None = None
         self.last_error: str | None = None
         self.floor_bytes = 0
+        self.stopped_on_exit: list[int] = []  # engines stopped because serve is stopping
         self._ready = asyncio.Event()
         self._lifecycle = asyncio.Lock()
         self._wake: asyncio.Task[None] | None = None
@@ -110,17 +111,13 @@ class ServedModel:
 
     def _set(self, state: ModelState) -> None:
         if state is not self.state:
-            routine = {state, self.state} == {ModelState.SERVING, ModelState.IDLE}
-            logger.log(
-                logging.DEBUG if routine else logging.INFO,
-                "%s: %s -> %s", self.name, self.state.value, state.value,
-            )  # fmt: skip
-            self.state = state
+            before, self.state = self.state, state
             if state in (ModelState.SERVING, ModelState.IDLE, ModelState.KV_RELEASED):
                 self._ready.set()
             else:
                 self._ready.clear()
-            self.hooks.changed()
+            self.hooks.changed()  # published before it is logged: a logged state is listed
+            logger.info("%s: %s -> %s", self.name, before.value, state.value)
 
     # -- start and stop -----------------------------------------------------------------------
 
@@ -142,9 +139,12 @@ class ServedModel:
             seconds = await engine.wait_healthy(self.hooks.session, START_TIMEOUT_S)
             await asyncio.to_thread(engine.note_shared_memory)
             await self.hooks.engine_ready(self.name)
-        except BaseException:
+        except BaseException as exc:
             await engine.stop(timeout=10)
             self.engine = None
+            if isinstance(exc, asyncio.CancelledError):  # serve is stopping
+                self.stopped_on_exit.append(engine.pid)
+                logger.info("%s: start cancelled: engine pid %d stopped", self.name, engine.pid)
             raise
         self.last_start_s = seconds
         self.last_active = time.monotonic()
@@ -171,6 +171,9 @@ class ServedModel:
                 self._set(ModelState.STOPPED)
             if engine is not None:
                 await engine.stop()
+                if final:
+                    self.stopped_on_exit.append(engine.pid)
+                logger.info("%s: engine pid %d stopped", self.name, engine.pid)
 
     def kill(self) -> None:
         """Synchronous last resort at exit: SIGKILL the engine's processes."""
@@ -310,5 +313,5 @@ class ServedModel:
             and idle_for >= release_after
         ):
             logger.info("%s: idle for %.0f s: releasing its KV memory", self.name, idle_for)
+            await self.hooks.release_kv(self.name)  # lowered before the state says it is
             self._set(ModelState.KV_RELEASED)
-            await self.hooks.release_kv(self.name)

@@ -10,8 +10,10 @@ record goes away on a clean engine shutdown, at process exit, and — should the
 — by the ledger's liveness sweep.
 
 Default name: the last path component of the served model name (``--served-model-name``,
-which defaults to ``--model``) and ``:<port>`` under the OpenAI server (``tiny-llama:8000``),
-else ``-<pid>`` (``tiny-llama-12345``); ``ELASTICKV_INSTANCE`` overrides it.
+which defaults to ``--model``; a built-in tiny model's cache entry ``tiny-llama-<digest>`` is
+``tiny-llama``) and ``:<port>`` under the OpenAI server (``tiny-llama:8000``), else that name
+alone, with ``-2``, ``-3``, ... while a live instance holds it: the same name on every run,
+one per running engine. ``ELASTICKV_INSTANCE`` overrides it.
 """
 
 from __future__ import annotations
@@ -68,20 +70,22 @@ def server_port(argv: Sequence[str]) -> int | None:
     return DEFAULT_SERVER_PORT
 
 
-def default_name(
-    vllm_config: Any, argv: Sequence[str] | None = None, pid: int | None = None
-) -> str:
-    """``<served model name>:<port>`` for the OpenAI server, else ``<model dir name>-<pid>``."""
+def default_name(vllm_config: Any, argv: Sequence[str] | None = None) -> str:
+    """``<served model name>:<port>`` for the OpenAI server, else ``<served model name>``
+    (registration appends ``-2``, ``-3``, ... while that name is taken)."""
+    from elastickv.models import builtin_name_of
+
     model_config = getattr(vllm_config, "model_config", None)
     served = getattr(model_config, "served_model_name", None) or getattr(
         model_config, "model", None
     )
     if isinstance(served, list | tuple):
         served = served[0] if served else None
-    base = _clean(os.path.basename(str(served or "vllm").rstrip("/")))
+    path = str(served or "vllm")
+    base = _clean(builtin_name_of(path) or os.path.basename(path.rstrip("/")))
     port = server_port(sys.argv if argv is None else argv)
-    suffix = f":{port}" if port is not None else f"-{os.getpid() if pid is None else pid}"
-    return base[: _NAME_BYTES - len(suffix)] + suffix
+    suffix = f":{port}" if port is not None else ""
+    return base[: _NAME_BYTES - len(suffix) - len("-99")] + suffix
 
 
 def describe_engine(vllm_config: Any) -> None:

@@ -1,0 +1,1 @@
+"""A stand-in for vLLM in serve's own tests: only ``vllm.entrypoints.openai.api_server``."""

@@ -1,0 +1,1 @@
+"""See ``vllm.entrypoints.openai.api_server``."""

@@ -1,0 +1,194 @@
+"""``elastickv serve`` run whole, as a user runs it, with a stand-in for vLLM's server
+(``standin/``; the real engines are in tests/integration_vllm/test_vllm_plugin_v032_serve.py):
+the log names every state change the moment ``elastickv list`` shows it, and ends with how many
+engines stopped and that nothing is left; nothing is left in the temporary directory, also
+after a start refused for its budget."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import elastickv
+from elastickv.ports import free_port
+
+STANDIN = Path(__file__).with_name("standin")
+SRC = Path(elastickv.__file__).resolve().parents[1]  # the elastickv this test imports
+
+
+class Serve:
+    """``elastickv serve`` in its own session; its log (stderr) read line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "elastickv.cli.main", "serve", *args],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, *patterns: str, after: int = -1, timeout: float = 120) -> int:
+        """The index of the first log line after line ``after``, logged already or to come,
+        that matches any of ``patterns`` (regular expressions): lines of other models that
+        came meanwhile stay for later calls."""
+        while True:
+            for index in range(after + 1, len(self.lines)):
+                if any(re.search(pattern, self.lines[index]) for pattern in patterns):
+                    return index
+            try:
+                new = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"{patterns} not logged:\n" + "\n".join(self.lines)) from None
+            if new is None:
+                raise AssertionError(f"serve ended before {patterns}:\n" + "\n".join(self.lines))
+            self.lines.append(new)
+
+    def rest(self, timeout: float = 120) -> list[str]:
+        """Every line until serve exits."""
+        self.proc.wait(timeout=timeout)
+        while (line := self._queue.get(timeout=timeout)) is not None:
+            self.lines.append(line)
+        return self.lines
+
+
+@pytest.fixture
+def temp_dir() -> Iterator[Path]:
+    """A short temporary directory (an engine's socket paths must fit in 107 bytes)."""
+    path = Path(tempfile.mkdtemp(prefix="ekv-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def environment(temp_dir: Path, ledger_dir: Path) -> dict[str, str]:
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")},
+        "PYTHONPATH": os.pathsep.join([str(STANDIN), str(SRC)]),
+        "TMPDIR": str(temp_dir),
+        "ELASTICKV_LEDGER_DIR": str(ledger_dir),
+        "STANDIN_GATE": str(temp_dir / "gate"),
+    }
+
+
+def config(tmp_path: Path, port: int) -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        f'python = "{sys.executable}"\n[router]\nport = {port}\n'
+        '[device]\nbudget = "8M"\npage_size = "64K"\n'
+        f'[[model]]\nname = "a"\nmodel = "{model}"\nmin_kv = "1M"\nrelease_after = "1s"\n'
+        f'[[model]]\nname = "b"\nmodel = "{model}"\nmin_kv = "1M"\nrelease_after = "1s"\n'
+        'stop_after = "2s"\n'
+    )
+    return path
+
+
+def elastickv_list(env: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """``elastickv list --json``: the served model and its ledger record, by name."""
+    out = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "list", "--json"],
+        env=env, capture_output=True, text=True, check=True, timeout=60,
+    ).stdout  # fmt: skip
+    listing = json.loads(out)
+    records = {i["name"]: i for i in listing["instances"]}
+    (served,) = listing["serve"]
+    return {m["name"]: {"model": m, "record": records.get(m["name"])} for m in served["models"]}
+
+
+def test_the_log_follows_every_state_and_nothing_is_left(tmp_path: Path, temp_dir: Path) -> None:
+    env = environment(temp_dir, tmp_path / "ledger")
+    port = free_port()
+    serve = Serve(["--config", str(config(tmp_path, port))], env)
+    try:
+        serve.wait_for("serving a, b at")
+        # A request held by the engine until the gate opens: "serving" while it is in flight.
+        body = json.dumps({"model": "a", "prompt": "hold"}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body,
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        replies: queue.Queue[int] = queue.Queue()
+        threading.Thread(
+            target=lambda: replies.put(urllib.request.urlopen(request, timeout=60).status),
+            daemon=True,
+        ).start()
+        served = serve.wait_for("a: idle -> serving", "a: kv-released -> serving")
+        listed = elastickv_list(env)["a"]  # what the log has said is listed already
+        assert listed["model"]["state"] == "serving" and listed["model"]["in_flight"] == 1
+        (temp_dir / "gate").touch()
+        assert replies.get(timeout=60) == 200
+        idle = serve.wait_for("a: serving -> idle", after=served)  # was never logged
+        serve.wait_for("a: idle -> kv-released", after=idle)
+        listed = elastickv_list(env)["a"]
+        model, record = listed["model"], listed["record"]
+        assert model["state"] == "kv-released" and record is not None
+        # One reading: the served table's bytes are the ledger record's, and it drains.
+        assert model["committed_bytes"] == record["used_bytes"] == 3 * (64 << 10)
+        assert model["limit_bytes"] == record["limit_desired"] == 64 << 10
+        assert model["over_limit_bytes"] == record["over_limit_bytes"] == 2 * (64 << 10)
+        serve.wait_for("b: (idle|kv-released) -> stopped")
+        serve.wait_for(r"b: engine pid \d+ stopped$")
+        assert elastickv_list(env)["b"]["record"] is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serve.proc.pid, signal.SIGTERM)
+    lines = serve.rest()
+    assert serve.proc.returncode == 0, "\n".join(lines)
+    assert any("a: engine pid" in line and line.endswith("stopped") for line in lines)
+    assert lines[-1].endswith("elastickv serve: stopped: 1 engine, nothing left"), lines[-1]
+    # The engine logs (temporary, nothing failed), the engines' private directories and
+    # the rendezvous file each engine start left: all gone.
+    assert sorted(p.name for p in temp_dir.iterdir()) == ["gate"]
+
+
+def test_a_refused_start_leaves_no_log_folder(tmp_path: Path, temp_dir: Path) -> None:
+    env = environment(temp_dir, tmp_path / "ledger")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", "--config",
+         str(config(tmp_path, free_port())), "--budget", "100T"],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "[device] budget = 100.0 TiB is more than" in proc.stderr
+    assert list(temp_dir.iterdir()) == []
+
+
+def test_an_engine_that_cannot_start_keeps_its_log(tmp_path: Path, temp_dir: Path) -> None:
+    """The error names the engine's log; that log is kept (the folder is temporary)."""
+    path = config(tmp_path, free_port())
+    path.write_text(path.read_text() + 'env = { STANDIN_EXIT = "1" }\n')  # model b fails
+    env = environment(temp_dir, tmp_path / "ledger")
+    proc = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", "--config", str(path)],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "engine logs kept in" in proc.stderr, proc.stderr
+    named = re.search(r"log (\S+/b\.log):", proc.stderr)
+    assert named is not None, proc.stderr
+    assert "failing on purpose" in Path(named.group(1)).read_text()
+    assert "stopped: 1 engine, nothing left" in proc.stderr  # a, which had started
