@@ -33,7 +33,9 @@ EngineRuns = Callable[..., dict[str, Any]]
 
 def test_config_parses_and_validates() -> None:
     cfg = ElasticConfig.from_env({"ELASTICKV_PAGE_SIZE": "64K", "ELASTICKV_BUDGET": "1M"})
-    assert (cfg.page_size, cfg.budget_bytes, cfg.strict) == (64 << 10, 1 << 20, True)
+    # Strictness unset: the device's default (strict on the host, a zero page on a GPU).
+    assert (cfg.page_size, cfg.budget_bytes, cfg.strict) == (64 << 10, 1 << 20, None)
+    assert ElasticConfig.from_env({"ELASTICKV_STRICT": "0"}).strict is False
     assert enabled({"ELASTICKV": "1"}) and not enabled({})
     with pytest.raises(ElasticKVStartupError, match="ELASTICKV_PAGE_SIZ"):
         ElasticConfig.from_env({"ELASTICKV_PAGE_SIZ": "64K"})

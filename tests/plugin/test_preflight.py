@@ -16,6 +16,8 @@ from elastickv.integrations.vllm.errors import ElasticKVStartupError
 class Backend(enum.Enum):
     CPU_ATTN = "cpu"
     FLASH_ATTN = "flash"
+    FLASHINFER = "flashinfer"
+    ROCM_ATTN = "rocm"
 
 
 def config(
@@ -25,38 +27,65 @@ def config(
     tp: int = 1,
     pp: int = 1,
     backend: Backend | None = None,
+    sleep: bool = False,
+    kv_bytes: int | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         device_config=SimpleNamespace(device_type=device),
-        cache_config=SimpleNamespace(cache_dtype=cache_dtype),
+        model_config=SimpleNamespace(enable_sleep_mode=sleep),
+        cache_config=SimpleNamespace(cache_dtype=cache_dtype, kv_cache_memory_bytes=kv_bytes),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         attention_config=SimpleNamespace(backend=backend),
     )
 
 
 @pytest.mark.parametrize(
-    "ok",
-    [config(), config(cache_dtype="bfloat16"), config(backend=Backend.CPU_ATTN), config(tp=4)],
+    ("ok", "platform"),
+    [
+        (config(), "cpu"),
+        (config(cache_dtype="bfloat16"), "cpu"),
+        (config(backend=Backend.CPU_ATTN), "cpu"),
+        (config(tp=4), "cpu"),
+        (config(device="cuda"), "cuda"),
+        (config(device="cuda", backend=Backend.FLASH_ATTN, tp=2), "cuda"),
+        (config(device="cuda", backend=Backend.FLASHINFER), "cuda"),
+    ],
 )
-def test_supported_configs_pass(ok: SimpleNamespace) -> None:
-    assert preflight.problems(ok) == []
-    preflight.check(ok)
+def test_supported_configs_pass(ok: SimpleNamespace, platform: str) -> None:
+    assert preflight.problems(ok, platform) == []
+    preflight.check(ok, platform)
 
 
 @pytest.mark.parametrize(
-    ("bad", "message"),
+    ("bad", "platform", "message"),
     [
-        (config(cache_dtype="fp8"), "--kv-cache-dtype fp8 (a quantized KV cache); use"),
-        (config(pp=2), "--pipeline-parallel-size 2: elastickv commits a block on every rank"),
-        (config(backend=Backend.FLASH_ATTN), "--attention-backend FLASH_ATTN"),
-        (config(device="cuda"), "the cuda platform"),
+        (config(cache_dtype="fp8"), "cpu", "--kv-cache-dtype fp8 (a quantized KV cache); use"),
+        (config(pp=2), "cpu", "--pipeline-parallel-size 2: elastickv commits a block on every"),
+        (config(backend=Backend.FLASH_ATTN), "cpu", "--attention-backend FLASH_ATTN"),
+        (config(device="cuda", backend=Backend.CPU_ATTN), "cuda", "--attention-backend CPU"),
+        (config(device="rocm"), None, "the rocm platform: elastickv places the KV cache on"),
+        (config(device="cuda", sleep=True), "cuda", "--enable-sleep-mode: vLLM's sleep mode"),
     ],
 )
-def test_each_unsupported_option_is_named(bad: SimpleNamespace, message: str) -> None:
+def test_each_unsupported_option_is_named(
+    bad: SimpleNamespace, platform: str | None, message: str
+) -> None:
     with pytest.raises(ElasticKVStartupError, match="unset ELASTICKV") as caught:
-        preflight.check(bad)
+        preflight.check(bad, platform)
     assert message in str(caught.value)
 
 
 def test_all_problems_in_one_error() -> None:
     assert len(preflight.problems(config(cache_dtype="fp8", tp=4, pp=2))) == 2
+
+
+def test_the_kv_cache_is_sized_elsewhere_unless_the_user_sized_it() -> None:
+    """vLLM's CPU worker refuses to start unless ``--gpu-memory-utilization`` of the host is
+    free, unless ``--kv-cache-memory-bytes`` is set: an elastic engine sets it (a second
+    engine on a host could not start otherwise), and leaves the user's own value alone."""
+    unset = config()
+    preflight.size_elsewhere(unset, 8 << 30)
+    assert unset.cache_config.kv_cache_memory_bytes == 8 << 30
+    mine = config(kv_bytes=1 << 30)
+    preflight.size_elsewhere(mine, 8 << 30)
+    assert mine.cache_config.kv_cache_memory_bytes == 1 << 30

@@ -62,6 +62,10 @@ class DriverApi(Protocol):
     @property
     def device(self) -> int: ...
 
+    def uuid(self) -> str:
+        """The device's UUID as nvidia-smi prints it (``GPU-…``)."""
+        ...
+
     def current(self) -> AbstractContextManager[None]:
         """Make this driver's context current on the calling thread for the ``with`` body."""
         ...

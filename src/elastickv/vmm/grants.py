@@ -220,11 +220,15 @@ class GrantFollower:
         if self._mark_step is not None:
             self._fence = self._mark_step()
 
+    def wait(self) -> None:
+        """Wait for all queued work (at once where the host ran it synchronously)."""
+        if self._wait is not None:
+            self._wait()
+
     def settle(self) -> None:
         """Wait for all queued work, then release every held page (the engine is idle)."""
         if self._held:
-            if self._wait is not None:
-                self._wait()
+            self.wait()
             self._release([*self._held])
 
     def _release_passed(self) -> None:

