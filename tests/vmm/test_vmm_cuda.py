@@ -76,6 +76,9 @@ class FakeDriver:
     def device(self) -> int:
         return self._device
 
+    def uuid(self) -> str:
+        return f"GPU-00000000-0000-0000-0000-{self._device:012d}"
+
     def fail(self, call: str, code: int = INVALID_VALUE, *, after: int = 0) -> None:
         self._failures[call] = (after, code)
 
