@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -45,6 +45,17 @@ class PageMapError(RuntimeError):
     """A worker could not map pages the scheduler granted: the engine cannot go on."""
 
 
+class Fence(Protocol):
+    """How a worker knows queued device work is done: a token per step, whether a token's
+    work is done, and a wait for all of it."""
+
+    def mark(self) -> object: ...
+
+    def done(self, token: object) -> bool: ...
+
+    def wait(self) -> None: ...
+
+
 class CudaFence:
     """Events on the worker's compute stream: a step's queued work is done when its event
     is (the release of a page that step may read waits for it)."""
@@ -57,8 +68,7 @@ class CudaFence:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    @staticmethod
-    def done(token: object) -> bool:
+    def done(self, token: object) -> bool:
         assert isinstance(token, torch.cuda.Event)
         return bool(token.query())  # type: ignore[no-untyped-call]
 
@@ -66,14 +76,18 @@ class CudaFence:
         torch.cuda.synchronize(self.device)
 
 
-def backend_for(config: ElasticConfig, device: torch.device) -> tuple[VmmBackend, str]:
-    """The VMM backend for a KV cache on ``device`` and the ledger it is charged to: host
-    memory for vLLM's CPU platform (strict unless ``ELASTICKV_STRICT=0``), the CUDA driver's
-    VMM on a GPU (uncommitted pages on a shared zero page unless ``ELASTICKV_STRICT=1``:
-    there a fault kills the engine's whole CUDA context)."""
+def backend_for(
+    config: ElasticConfig, device: torch.device
+) -> tuple[VmmBackend, str, Fence | None]:
+    """The VMM backend for a KV cache on ``device``, the ledger it is charged to, and the
+    fence its releases wait for: host memory for vLLM's CPU platform (strict unless
+    ``ELASTICKV_STRICT=0``; a step's forward returned before the next starts: no fence), the
+    CUDA driver's VMM on a GPU (uncommitted pages on a shared zero page unless
+    ``ELASTICKV_STRICT=1``: there a fault kills the engine's whole CUDA context; zeroing and
+    waits on the compute stream; CUDA events as the fence)."""
     if device.type == "cpu":
         strict = True if config.strict is None else config.strict
-        return HostBackend(config.page_size, strict=strict), HOST_DEVICE
+        return HostBackend(config.page_size, strict=strict), HOST_DEVICE, None
     if device.type == "cuda":
         from elastickv.control import cuda_device_key
         from elastickv.vmm.cuda import CudaBackend
@@ -86,7 +100,7 @@ def backend_for(config: ElasticConfig, device: torch.device) -> tuple[VmmBackend
             uncommitted="fault" if config.strict else "zero",
             sync_stream=int(stream),
         )
-        return backend, cuda_device_key(backend.driver.uuid())
+        return backend, cuda_device_key(backend.driver.uuid()), CudaFence(device)
     raise ElasticKVStartupError(
         f"elastickv cannot place a KV cache on {device}: it places it in host memory (vLLM's "
         "CPU platform) or in an NVIDIA GPU's memory (vLLM's CUDA platform)"
@@ -120,9 +134,22 @@ class WorkerKV:
                 f"the KV tensor ({size_bytes} bytes) is smaller than its geometry needs "
                 f"({geometry.backing_bytes})"
             )
-        backend, ledger_device = backend_for(config, device)
-        vmm_range = backend.reserve(size_bytes)
-        null_pages = frozenset(geometry.block_pages(0, config.page_size))
+        backend, ledger_device, fence = backend_for(config, device)
+        return cls.over(geometry, backend.reserve(size_bytes), size_bytes, ledger_device, fence)
+
+    @classmethod
+    def over(
+        cls,
+        geometry: KVCacheGeometry,
+        vmm_range: VirtualRange,
+        size_bytes: int,
+        ledger_device: str,
+        fence: Fence | None = None,
+    ) -> WorkerKV:
+        """The worker's storage on a range it reserved (closed again if this fails): the
+        null block's pages committed, a follower fenced by ``fence`` (None: releases at
+        once)."""
+        null_pages = frozenset(geometry.block_pages(0, vmm_range.page_size))
         try:
             # vLLM's null block (block 0) is read by dummy runs and padded batches before
             # the scheduler's first grant arrives; the scheduler holds its pages for the
@@ -136,8 +163,7 @@ class WorkerKV:
         except BaseException:
             vmm_range.close()
             raise
-        if device.type == "cuda":
-            fence = CudaFence(device)
+        if fence is not None:
             follower = GrantFollower(
                 vmm_range, mark_step=fence.mark, done=fence.done, wait=fence.wait
             )
