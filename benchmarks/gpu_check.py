@@ -772,6 +772,63 @@ def check_uncommitted_read(target: Target) -> Check:
     )
 
 
+def check_worker_protocol(target: Target) -> Check:
+    """The vLLM plugin's worker storage on this GPU, as an engine drives it: a scheduler's
+    grants (allocator over page grants) mapped by the worker before each step, a torch kernel
+    writing and reading the granted blocks, a release held by a CUDA event until the step
+    queued before it is done, and the warm-up's own pages released at the first planned step.
+    Needs real kernels: the fence is a CUDA event on the compute stream."""
+    from elastickv.alloc import BlockAllocator, Unlimited
+    from elastickv.geometry import build_layer_views
+    from elastickv.integrations.vllm.config import ElasticConfig
+    from elastickv.integrations.vllm.worker.worker_kv import WorkerKV
+    from elastickv.vmm.grants import PageGrants
+
+    geometry = layout_cases()[0].geometry
+    config = ElasticConfig(page_size=PAGE)
+    kv = WorkerKV.create(config, geometry, geometry.backing_bytes, target.device)
+    grants = PageGrants(
+        -(-geometry.backing_bytes // PAGE) * PAGE, PAGE, held=geometry.block_pages(0, PAGE)
+    )
+    allocator = BlockAllocator(geometry, grants, Unlimited(), max_hot_pages=0)
+    try:
+        kv.map_unplanned(range(1, 9))  # what Model Runner V2's warm-up writes
+        warm = len(kv.unplanned)
+        views = build_layer_views(geometry, kv.backing().view(torch.uint8))
+        blocks = allocator.allocate(geometry.num_blocks // 2)
+        assert blocks is not None
+        started = time.perf_counter()
+        kv.apply(grants.drain())  # the first planned step: maps its grants, warm-up pages go
+        map_s = time.perf_counter() - started
+        mapped = kv.vmm_range.committed_pages() == allocator.committed_pages()
+        for view in views:
+            view[blocks].fill_(3)  # the step writes its blocks...
+        total = sum(int(view[blocks].sum(dtype=torch.int64)) for view in views)
+        kv.follower.step_queued()  # ...and is queued when the next batch arrives
+        allocator.free(blocks)
+        kv.apply(grants.drain())
+        held = len(kv.follower.held_pages)
+        target.sync()
+        kv.apply(None)
+        released = kv.vmm_range.committed_pages() == kv.null_pages and not kv.follower.held_pages
+        expected = sum(3 * view[blocks].numel() for view in views)
+    finally:
+        allocator.close()
+        kv.vmm_range.close()
+    ok = mapped and released and total == expected and warm > 0
+    detail = (
+        f"{'granted pages mapped' if mapped else 'MAPPING DIFFERS'} in {map_s * 1e3:.2f} ms; "
+        f"{held} released page(s) held while the step ran, "
+        f"{'then released' if released else 'NOT RELEASED'}; warm-up's {warm} page(s) returned"
+    )
+    return Check(
+        "worker-protocol",
+        ok,
+        detail,
+        {"map_ms": round(map_s * 1e3, 3), "held_pages": held, "warm_pages": warm},
+    )
+
+
 def write_probe() -> int:
     """Child process: a torch kernel writes to an uncommitted page, after a read of it and a
     write to a committed page went through (so a fault is the stray write's). Prints one JSON
@@ -846,6 +903,7 @@ def run_checks(target: Target, *, kernels: bool, churn_seconds: float = 3.0) -> 
     checks.append(guarded("ledger", partial(check_ledger, target, churn_seconds)))
     if kernels:
         checks.append(guarded("uncommitted-read", partial(check_uncommitted_read, target)))
+        checks.append(guarded("worker-protocol", partial(check_worker_protocol, target)))
         checks.append(guarded("uncommitted-write", check_uncommitted_write))
     return checks
 
