@@ -112,6 +112,18 @@ def test_list_without_a_ledger_says_so(ledger_dir: Path) -> None:
     assert not (ledger_dir / "host.ledger").exists()  # reading never creates a ledger
 
 
+def test_a_gpu_the_driver_cannot_name_is_a_clear_error(ledger_dir: Path) -> None:
+    """``--device cuda:N`` asks the driver for the GPU's UUID; without that GPU (or with a
+    malformed number) the command says so and how to name the ledger instead."""
+    for device, message in (
+        ("cuda:999", "give its key cuda-<GPU UUID> instead"),
+        ("cuda:x", "a GPU is cuda:N, N a device number"),
+    ):
+        done = cli("list", "--device", device)
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
 def test_list_json_reports_every_field(ledger: Ledger, child: subprocess.Popen[str]) -> None:
     with ledger.register("llama-a", limit="8M") as a, ledger.register("qwen-b") as b:
         assert a.try_admit(3 * MiB) and a.set_reserved_bytes(1 * MiB)

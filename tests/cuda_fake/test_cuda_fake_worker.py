@@ -197,3 +197,16 @@ def test_a_worker_that_cannot_map_what_was_granted_stops_the_step(
         allocator.close()
         vrange.close()
         policy.handle.close()
+
+
+def test_the_ledger_of_a_gpu_is_named_by_its_uuid(fake: FakeCuda) -> None:
+    """``--device cuda:0`` (the CLI's) and a worker's export name the same ledger: the one of
+    the GPU's UUID, as the driver reports it."""
+    from elastickv.cli.ledger_view import device_key
+    from elastickv.control import cuda_device_key
+    from elastickv.vmm.cuda_driver import CudaDriver
+
+    key = device_key("cuda:0")
+    assert key == cuda_device_key(CudaDriver(0).uuid())
+    assert key.startswith("cuda-gpu-")
+    assert device_key("host") == "host"
