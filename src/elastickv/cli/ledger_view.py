@@ -21,27 +21,26 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         default=HOST_DEVICE,
-        type=device_key,
         help="ledger to use: 'host' (default), a GPU as 'cuda:N' or its key 'cuda-<GPU UUID>'",
     )
 
 
 def device_key(text: str) -> str:
-    """The ledger key of ``text``: ``host`` and ``cuda-<UUID>`` as they are; ``cuda:N`` (the
-    GPU vLLM and torch call ``cuda:N``, after ``CUDA_VISIBLE_DEVICES``) by asking the driver
-    for its UUID."""
+    """The ledger key of ``--device TEXT``: ``host`` and ``cuda-<UUID>`` as they are;
+    ``cuda:N`` (the GPU vLLM and torch call ``cuda:N``, after ``CUDA_VISIBLE_DEVICES``) by
+    asking the driver for its UUID (when the command runs, not when it is parsed)."""
     if not text.startswith("cuda:"):
         return text
     index = text.removeprefix("cuda:")
     if not index.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: a GPU is cuda:N, N a device number")
+        raise UserError(f"--device {text!r}: a GPU is cuda:N, N a device number")
     try:
         from elastickv.control import cuda_device_key
         from elastickv.vmm.cuda_driver import CudaDriver
 
         return cuda_device_key(CudaDriver(int(index)).uuid())
     except Exception as exc:
-        raise argparse.ArgumentTypeError(
+        raise UserError(
             f"cannot find the ledger of {text}: {exc}; give its key cuda-<GPU UUID> instead "
             "(nvidia-smi -L lists the UUIDs)"
         ) from None

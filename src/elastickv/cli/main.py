@@ -56,6 +56,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
+        if isinstance(getattr(args, "device", None), str):
+            from elastickv.cli.ledger_view import device_key
+
+            args.device = device_key(args.device)
         code: int = args.run(args)
         sys.stdout.flush()
     except UserError as err:
