@@ -804,6 +804,8 @@ def check_worker_protocol(target: Target) -> Check:
         for view in views:
             view[blocks].fill_(3)  # the step writes its blocks...
         total = sum(int(view[blocks].sum(dtype=torch.int64)) for view in views)
+        expected = sum(3 * view[blocks].numel() for view in views)
+        del views  # no tensor reads the pages once they go back
         kv.follower.step_queued()  # ...and is queued when the next batch arrives
         allocator.free(blocks)
         kv.apply(grants.drain())
@@ -811,7 +813,6 @@ def check_worker_protocol(target: Target) -> Check:
         target.sync()
         kv.apply(None)
         released = kv.vmm_range.committed_pages() == kv.null_pages and not kv.follower.held_pages
-        expected = sum(3 * view[blocks].numel() for view in views)
     finally:
         allocator.close()
         kv.vmm_range.close()

@@ -136,12 +136,19 @@ def test_without_kernels_the_gpu_only_rows_are_left_out(
         "check_commit_release",
         "check_ledger",
         "check_uncommitted_read",
+        "check_worker_protocol",
         "check_uncommitted_write",
     ):
         monkeypatch.setattr(gpu_check, function, record(function))
     assert len(gpu_check.run_checks(target, kernels=False)) == 1 + 3 + 2 + 1 + 1
-    assert "check_uncommitted_read" not in ran and "check_uncommitted_write" not in ran
+    assert not {"check_uncommitted_read", "check_worker_protocol", "check_uncommitted_write"} & set(
+        ran
+    )
     assert ran.count("check_store") == 3 and ran.count("check_attention") == 2
     ran.clear()
     gpu_check.run_checks(target, kernels=True)
-    assert ran[-2:] == ["check_uncommitted_read", "check_uncommitted_write"]
+    assert ran[-3:] == [
+        "check_uncommitted_read",
+        "check_worker_protocol",
+        "check_uncommitted_write",
+    ]
