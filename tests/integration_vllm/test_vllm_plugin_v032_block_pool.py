@@ -125,6 +125,13 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: Any) -> None:
     assert pool.elastic_stats()["parked_blocks"] == 0
 
 
+def counted_now(pool: Any) -> int:
+    """The free count computed afresh from the pool's books (no answer kept)."""
+    free = pool.free_block_queue.num_free_blocks
+    room = pool.allocator._count_within(pool.elastic_store.policy.available_bytes(), free)
+    return min(free, room + pool.elastic_stats()["parked_blocks"])
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     budget=st.integers(2, 24),
@@ -157,6 +164,7 @@ def test_the_free_count_is_a_promise(
                     made._insert_block_hash(key, block, num_tokens=16)
                 made.free_blocks(reversed(blocks))
             free = made.get_num_free_blocks()
+            assert free == counted_now(made)  # the answer kept between asks is not stale
             extra = made.get_new_blocks(free)  # all of it, at once
             assert len(extra) == free
             assert made.allocator.stats().committed_bytes <= budget * PAGE
@@ -178,16 +186,17 @@ def test_credit_follows_the_steps_demand_in_the_ledger(tmp_path: Path) -> None:
             assert made.get_num_free_blocks() == 0  # no credit yet: nothing counted
             scheduler = scheduler_of(made, 2, [40, 80], budget=16)  # 3 and 6 blocks
             made.begin_step(scheduler)
-            # 2 running (a block each) and both prompts, with a block to spare each.
-            assert made.credit.credit_bytes == (2 + 4 + 6) * PAGE
+            # Ample for the step: 2 running (a block each), the step's token budget in blocks
+            # (16 tokens: 1), both prompts with a block to spare each.
+            assert made.credit.credit_bytes == (2 + 1 + 4 + 6) * PAGE
             assert handle.info().reserved_bytes == made.credit.credit_bytes
             free = made.get_num_free_blocks()
-            assert free == 12
+            assert free == 13
             taken = made.get_new_blocks(free)
             assert made.credit.credit_bytes == 0
             made.free_blocks(reversed(taken))
-            ops = made.take_page_ops()  # the null block's page, then the 12
-            assert ops is not None and ops.committed_pages == 13
+            ops = made.take_page_ops()  # the null block's page, then the 13
+            assert ops is not None and ops.committed_pages == 14
             made.went_idle()  # credit and released pages go back to the device
             info = handle.info()
             assert (info.committed_bytes, info.reserved_bytes) == (PAGE, 0)
@@ -289,6 +298,7 @@ def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> N
             finished = allocate(made, 4, [])
             assert finished is not None
             scheduler = scheduler_of(made, 1, [64], budget=16)
+            made.begin_step(scheduler)
             made.end_step(scheduler, SimpleNamespace())  # 1 running + a 4-block prompt (+1)
             assert made.allocator.hot_reserve_cap == 6
             committed = made.elastic_stats()["pages_committed"]
@@ -299,7 +309,9 @@ def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> N
             assert made.elastic_stats()["pages_committed"] == committed  # nothing committed
             made.free_blocks(admitted)
             if demand_gone == "the queue empties":
-                made.end_step(scheduler_of(made, 0, []), SimpleNamespace())
+                empty = scheduler_of(made, 0, [])
+                made.begin_step(empty)
+                made.end_step(empty, SimpleNamespace())
             else:
                 made.went_idle()
             assert made.elastic_stats()["hot_pages"] == 0  # hot_max_pages=0 again

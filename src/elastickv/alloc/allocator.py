@@ -236,6 +236,14 @@ class BlockAllocator:
         self._allocations = self._refusals = self._frees = 0
         self._pages_committed = self._pages_released = self._rollbacks = 0
         self._pages_precommitted = 0
+        self._resizes = 0
+        # Grows whenever the free or committed blocks may have changed (every allocation,
+        # free, page commit or release, resize): a cache key for callers that ask about
+        # the same state many times (a scheduler, once per running request per step).
+        self.state_version = 0
+        # :meth:`blocks_within`'s last question (with the state it was asked in) and answer.
+        self._within_key: tuple[int | None, ...] = ()
+        self._within = 0
         self._last_error: str | None = None
         # Called with the seconds each page commit took (admission + backend), e.g. by a
         # metrics histogram; None costs nothing.
@@ -334,25 +342,35 @@ class BlockAllocator:
         walked here (fewest uncommitted pages first) and commits the pages of each slab it
         touches; this counts whole slabs in that order while their pages fit ``nbytes``
         (pages two slabs share are counted twice: conservative)."""
+        # The same question about the same state has the same answer (a scheduler asks it for
+        # every running request in every step, most of which change nothing).
+        key = (nbytes, cap, self.state_version)
+        if key == self._within_key:
+            return self._within
         with self._lock:
-            warm = self._warm_free  # the slab being filled is warm: counted here
-            cap = self._warm_free + self._cold_free if cap is None else cap
-            if warm >= cap or not self._cold_free:
-                return min(warm, cap)
-            pages = nbytes // self._page_bytes
-            total = warm
-            free = self._free
-            for missing, bucket in enumerate(self._cold):
-                if not missing or not bucket:
-                    continue
-                for slab in bucket:
-                    if missing > pages:
-                        return min(total, cap)
-                    pages -= missing
-                    total += len(free[slab])
-                    if total >= cap:
-                        return cap
-            return min(total, cap)
+            self._within = answer = self._count_within(nbytes, cap)
+            self._within_key = key
+            return answer
+
+    def _count_within(self, nbytes: int, cap: int | None) -> int:
+        warm = self._warm_free  # the slab being filled is warm: counted here
+        cap = self._warm_free + self._cold_free if cap is None else cap
+        if warm >= cap or not self._cold_free:
+            return min(warm, cap)
+        pages = nbytes // self._page_bytes
+        total = warm
+        free = self._free
+        for missing, bucket in enumerate(self._cold):
+            if not missing or not bucket:
+                continue
+            for slab in bucket:
+                if missing > pages:
+                    return min(total, cap)
+                pages -= missing
+                total += len(free[slab])
+                if total >= cap:
+                    return cap
+        return min(total, cap)
 
     def is_live(self, block: int) -> bool:
         return block in self._live
@@ -426,6 +444,7 @@ class BlockAllocator:
                     self._slab_live[cursor] += 1
                     self._live.add(block)
                     self._allocations += 1
+                    self.state_version += 1
                     return [block]
                 if 0 < n <= len(free):
                     blocks = free[-n:]
@@ -434,6 +453,7 @@ class BlockAllocator:
                     self._slab_live[cursor] += n
                     self._live.update(blocks)
                     self._allocations += 1
+                    self.state_version += 1
                     return blocks
                 self._check_in()
             if 0 < n <= self._warm_free:
@@ -466,6 +486,7 @@ class BlockAllocator:
                     return None
                 blocks = grown
             self._allocations += 1
+            self.state_version += 1
             return blocks
         finally:
             token.append(None)  # :meth:`_TokenLock.release`, inlined
@@ -599,6 +620,7 @@ class BlockAllocator:
                     self._warm_free += 1
                     slab_live[slab] -= 1
                     self._frees += 1
+                    self.state_version += 1
                     return
             elif not blocks:
                 return
@@ -616,6 +638,7 @@ class BlockAllocator:
                     # reverse): skip the one-slab test.
                     self._free_slabs(blocks)
                     self._frees += 1
+                    self.state_version += 1
                     return
                 # The smallest and largest block (sorting a few ints costs half of min + max).
                 ordered = sorted(blocks)
@@ -624,6 +647,7 @@ class BlockAllocator:
                 if not (self._contiguous_slabs and slab == slab_of[ordered[0]]):
                     self._free_slabs(blocks)
                     self._frees += 1
+                    self.state_version += 1
                     return
             if slab == self._cursor:
                 free = self._free[slab]
@@ -637,10 +661,12 @@ class BlockAllocator:
                 slab_live[slab] -= len(run)
                 if slab_live[slab]:
                     self._frees += 1
+                    self.state_version += 1
                     return  # no page changed hands: the reserve is as it was
                 self._check_in()
                 self._last_live_gone(slab)
                 self._frees += 1
+                self.state_version += 1
                 self._cap_reserve()
                 return
             # One slab (the common case).
@@ -665,6 +691,7 @@ class BlockAllocator:
             slab_live = self._slab_live
             slab_live[slab] -= len(run)
             self._frees += 1
+            self.state_version += 1
             if not slab_live[slab]:
                 self._last_live_gone(slab)
                 self._cap_reserve()
@@ -791,6 +818,8 @@ class BlockAllocator:
             )
         with self._lock:
             self._check_in()
+            self._resizes += 1
+            self.state_version += 1
             old = self._limit
             self._limit = num_usable_blocks
             if num_usable_blocks < old:
@@ -913,6 +942,7 @@ class BlockAllocator:
                 return False
             raise
         self._pages_committed += len(pages)
+        self.state_version += 1
         self._mark(pages, committed=True)
         if observer is not None:
             observer(time.perf_counter() - start)
@@ -931,6 +961,7 @@ class BlockAllocator:
                 cause.add_note(f"rollback could not release pages {stray}: {exc}")
                 kept = {p for p in stray if self._range.is_committed(p)}
                 self._pages_committed += len(kept)
+                self.state_version += 1
                 self._mark(kept, committed=True)
                 nbytes -= len(kept) * self._page_bytes
         self._policy.release(nbytes)
@@ -964,6 +995,7 @@ class BlockAllocator:
             return
         self._policy.release(len(pages) * self._page_bytes)
         self._pages_released += len(pages)
+        self.state_version += 1
         self._mark(pages, committed=False)
 
     def _mark(self, pages: set[int], *, committed: bool) -> None:

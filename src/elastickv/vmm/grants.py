@@ -110,6 +110,8 @@ class PageGrants(VirtualRange):
     def drain(self) -> PageOps | None:
         """The operations recorded since the last drain, numbered; None when there are none
         (a step that changed no page sends nothing)."""
+        if not self._runs:  # most steps change no page: no lock for them
+            return None
         with self._ops_lock:
             if not self._runs:
                 return None

@@ -79,7 +79,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.elastic_store: ElasticStore = store
         self._block_tokens = store.geometry.block_size
         self.registration = registration_of(store.policy)
-        policy = store.policy
+        policy = self._policy = store.policy
         self.credit: CreditPolicy | None = policy if isinstance(policy, CreditPolicy) else None
         try:
             self.allocator: BlockAllocator = store.make_allocator()
@@ -92,7 +92,17 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             store.vmm_range if isinstance(store.vmm_range, PageGrants) else None
         )
         self._page_bytes = self.allocator.bytes_per_page
+        page_map = self.allocator.page_map
+        # A typical slab's blocks and the credit its pages take: what credit is counted in.
+        self._slab_blocks = page_map.typical_slab_blocks
+        self._slab_bytes = page_map.typical_slab_pages * self._page_bytes
+        # Credit kept beyond demand before any is given back (the hot reserve's size).
+        self._slack_bytes = self.allocator.max_hot_pages * self._page_bytes
+        self._budget_blocks = -1  # a step's token budget in blocks, from the first step
         self._parked: dict[int, None] = {}  # LRU first
+        # :meth:`get_num_free_blocks`'s last answer and the state it was computed from.
+        self._seen_free = self._seen_version = self._seen_parked = self._seen_credit = -1
+        self._free_answer = 0
         self._next_limit_check = 0.0
         self._next_publish = 0.0
         self._credit_retry_at = 0.0
@@ -101,8 +111,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         self._watermark: int | None = None  # vLLM's own watermark, before any headroom
+        self._headroom = 0  # the admission headroom the watermark holds now
+        self._short = False  # the ledger gave less credit than a step needed
+        self._forecast = 0  # blocks the next step will likely take while requests wait
         self.idle = True  # no step since the engine last ran out of requests
-        self.refusals = 0  # free counts the budget cut short of vLLM's own
+        self.refusals = 0  # steps the limit or the device budget cut short
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         if self.credit is not None:
@@ -114,17 +127,24 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def get_num_free_blocks(self) -> int:
         """vLLM's free blocks, as many as can be backed now: warm blocks, parked prefix-cache
         blocks (evicted to make room) and what new pages within the credit hold. Exact: a
-        ``get_new_blocks`` of this many cannot fail. An answer short of vLLM's own count
-        (the budget, not vLLM's blocks, bounds the engine) is counted in ``refusals``."""
+        ``get_new_blocks`` of this many cannot fail."""
         free: int = self.free_block_queue.num_free_blocks
-        answer = self._backable(free)
-        if answer < free:
-            self.refusals += 1
+        # vLLM asks once per running request per step, mostly about unchanged state: the
+        # answer is kept with what it was computed from.
+        version = self.allocator.state_version
+        parked = len(self._parked)
+        credit = self._policy.available_bytes()
+        if (
+            free == self._seen_free
+            and version == self._seen_version
+            and parked == self._seen_parked
+            and credit == self._seen_credit
+        ):
+            return self._free_answer
+        answer = self._free_answer = min(free, self.allocator.blocks_within(credit, free) + parked)
+        self._seen_free, self._seen_version = free, version
+        self._seen_parked, self._seen_credit = parked, credit
         return answer
-
-    def _backable(self, free: int) -> int:
-        room = self.allocator.blocks_within(self.elastic_store.policy.available_bytes(), free)
-        return min(free, room + len(self._parked))
 
     def get_usage(self) -> float:
         """vLLM's KV cache usage (its metrics and logs): blocks in use of all blocks, as native
@@ -139,42 +159,75 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def begin_step(self, scheduler: Any) -> None:
         """Before vLLM schedules a step: apply a lowered limit, move the credit to this step's
-        demand (one ledger operation at most), and keep admission headroom for the running
-        requests while the credit is what binds."""
+        demand (one ledger operation at most, and none while the credit covers it), and keep
+        admission headroom for the running requests while the limit or the device budget,
+        not vLLM's own free blocks, binds."""
         self.idle = False
         if self._free_batch:
             self._flush_frees()
-        self.sync_limit()
+        now = time.monotonic()
+        if now >= self._next_limit_check:
+            self.sync_limit()
+        running = len(scheduler.running)
+        if scheduler.waiting:
+            waiting = self._waiting_blocks(scheduler)
+            self._forecast = running + waiting
+        else:
+            waiting = self._forecast = 0
         if self.credit is not None:
-            self._move_credit(self.credit, scheduler)
-        manager = scheduler.kv_cache_manager
-        if self._watermark is None:
-            self._watermark = int(getattr(manager, "watermark_blocks", 0))
-        headroom = 0
-        if scheduler.waiting and scheduler.running:
+            self._move_credit(self.credit, scheduler, running, waiting, now)
+        # The limit or the device budget, not vLLM's own free blocks, binds this step: with
+        # credit, when the ledger gave less than the step needs (credit is always short of
+        # vLLM's virtual blocks); with a local budget, when its room is short of them.
+        if self.credit is not None:
+            short = self._short
+        else:
             free = self.free_block_queue.num_free_blocks
-            if self._backable(free) < free:
-                headroom = admission_headroom(manager, scheduler.requests)
+            short = self.get_num_free_blocks() < free
+        headroom = 0
+        if short:
+            self.refusals += 1
+            if scheduler.waiting and running:
+                headroom = admission_headroom(scheduler.kv_cache_manager, scheduler.requests)
                 self._refusals.refused(headroom + 1, self._committed_bytes)
-        manager.watermark_blocks = self._watermark + headroom
+        if headroom != self._headroom:
+            manager = scheduler.kv_cache_manager
+            if self._watermark is None:
+                self._watermark = int(getattr(manager, "watermark_blocks", 0))
+            manager.watermark_blocks = self._watermark + headroom
+            self._headroom = headroom
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
-        worker, and the allocator keeps the pages the next step will likely take hot."""
+        worker, and while requests wait the allocator keeps hot the pages the next step will
+        likely take (one block per running request, the prompts there is room to admit)."""
         grants = self.grants
         if grants is not None:
             setattr(output, PAGE_OPS_ATTR, grants.drain())
-        self.allocator.forecast(self._demand(scheduler) if scheduler.waiting else 0)
+        self.allocator.forecast(self._forecast)
 
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
 
-    def _demand(self, scheduler: Any) -> int:
-        """Blocks this step may take at most: each running request's next tokens (its next
-        block in decode; a prefill chunk's blocks, within the step's token budget), and the
-        whole prompt of every waiting request there is room to admit (vLLM asks room for a
-        full prompt before it admits one); no more than vLLM's own free blocks."""
+    def _waiting_blocks(self, scheduler: Any) -> int:
+        """The blocks of every waiting request there is room to admit this step (vLLM asks
+        room for a full prompt before it admits one), a block to spare each; no more than
+        vLLM's own free blocks. No loop while the engine runs as many requests as it may."""
+        room = int(scheduler.max_num_running_reqs) - len(scheduler.running)
+        if room <= 0 or not scheduler.waiting:
+            return 0
         free: int = self.free_block_queue.num_free_blocks
+        size = self._block_tokens
+        blocks = 0
+        for request in itertools.islice(scheduler.waiting, room):
+            blocks += -(-request.num_tokens // size) + 1
+            if blocks >= free:
+                return free
+        return blocks
+
+    def _running_blocks(self, scheduler: Any) -> int:
+        """The blocks the running requests may take this step: each one's next tokens (its
+        next block in decode; a prefill chunk's blocks, within the step's token budget)."""
         size = self._block_tokens
         budget = int(scheduler.max_num_scheduled_tokens)
         blocks = 0
@@ -184,71 +237,61 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             blocks += take // size + 1
             if budget <= 0:
                 break
-        room = int(scheduler.max_num_running_reqs) - len(scheduler.running)
-        if room > 0 and scheduler.waiting:
-            for request in itertools.islice(scheduler.waiting, room):
-                blocks += -(-request.num_tokens // size) + 1
-                if blocks >= free:
-                    break
-        return min(blocks, free)
+        return blocks
 
-    def _move_credit(self, credit: CreditPolicy, scheduler: Any) -> None:
-        """Hold credit for this step's demand beyond what is warm or parked: ask the ledger when
-        short (not again for ``CREDIT_RETRY_S`` after a refusal, nor when the limit the
-        ledger last showed says no), give back what is far beyond it, and publish the
-        committed bytes at least every ``PUBLISH_INTERVAL_S``.
+    def _move_credit(
+        self, credit: CreditPolicy, scheduler: Any, running: int, waiting: int, now: float
+    ) -> None:
+        """Hold credit for this step's demand beyond what is warm or parked.
 
-        The demand is counted only when the credit may be short: with no request waiting,
-        the running ones take at most one block each plus the token budget's blocks."""
+        The ample demand needs no loop: a block per running request and the step's whole
+        token budget in blocks, and the admissible prompts. While the credit covers it, the
+        ledger is not asked (its committed bytes are published every ``PUBLISH_INTERVAL_S``);
+        far more than it goes back. Below it, the running requests' exact demand is counted:
+        while the credit covers that, nothing is asked either; else the ledger is asked for
+        the ample demand (or what the limit last seen allows), not again for
+        ``CREDIT_RETRY_S`` after a refusal."""
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
-        now = time.monotonic()
-        if not scheduler.waiting:
-            bound = len(scheduler.running) + -(
-                -int(scheduler.max_num_scheduled_tokens) // self._block_tokens
-            )
-            cheap = self._bytes_for(bound - ready)
-            if cheap <= have:
-                if have > 2 * cheap + self._slack_bytes():
-                    credit.settle(cheap)  # far more than a step without admissions takes
-                    self._next_publish = now + PUBLISH_INTERVAL_S
-                else:
-                    self._publish(credit)
-                return
-        want = self._bytes_for(self._demand(scheduler) - ready)
-        if want > have:
-            if now < self._credit_retry_at or not credit.limit_allows(want):
-                return
-            if credit.settle(want) < want:
-                self._credit_retry_at = now + CREDIT_RETRY_S
-            self._next_publish = now + PUBLISH_INTERVAL_S
-        elif have > 2 * want + self._slack_bytes():
-            credit.settle(want)
-            self._next_publish = now + PUBLISH_INTERVAL_S
-        else:
-            self._publish(credit)
+        budget_blocks = self._budget_blocks
+        if budget_blocks < 0:  # the step's token budget in blocks (fixed for a scheduler)
+            size = self._block_tokens
+            budget_blocks = self._budget_blocks = -(-int(scheduler.max_num_scheduled_tokens) // size)
+        ample = self._bytes_for(running + budget_blocks + waiting - ready)
+        if ample <= have:
+            self._short = False
+            if have > 2 * ample + self._slack_bytes:
+                credit.settle(ample)  # far more than a step takes: give the rest back
+                self._next_publish = now + PUBLISH_INTERVAL_S
+            elif now >= self._next_publish:
+                self._publish(credit, now)
+            return
+        want = self._bytes_for(self._running_blocks(scheduler) + waiting - ready)
+        if want <= have:
+            if now >= self._next_publish:
+                self._publish(credit, now)
+            return
+        if now < self._credit_retry_at:
+            return
+        ask = ample if credit.limit_allows(ample) else want
+        if ask == want and not credit.limit_allows(want):
+            self._short = True  # the limit the ledger last showed says no: do not ask
+            return
+        granted = credit.settle(ask)
+        self._short = granted < want
+        if granted < ask:
+            self._credit_retry_at = now + CREDIT_RETRY_S
+        self._next_publish = now + PUBLISH_INTERVAL_S
 
-    def _publish(self, credit: CreditPolicy) -> None:
-        """Publish the committed bytes (``elastickv list``), at most every
-        ``PUBLISH_INTERVAL_S``, keeping the credit as it is."""
-        now = time.monotonic()
-        if now >= self._next_publish:
-            credit.settle(credit.credit_bytes)
-            self._next_publish = now + PUBLISH_INTERVAL_S
-
-    def _slack_bytes(self) -> int:
-        """Credit kept beyond demand before any is given back (the hot reserve's size)."""
-        return self.allocator.max_hot_pages * self._page_bytes
+    def _publish(self, credit: CreditPolicy, now: float) -> None:
+        """Publish the committed bytes (``elastickv list``), keeping the credit as it is; the
+        next time, ``PUBLISH_INTERVAL_S`` from ``now``."""
+        credit.settle(credit.credit_bytes)
+        self._next_publish = now + PUBLISH_INTERVAL_S
 
     def _bytes_for(self, blocks: int) -> int:
         """Credit ``blocks`` cold blocks take (whole slabs of this geometry, rounded up)."""
-        return self._pages_for(blocks) * self._page_bytes if blocks > 0 else 0
-
-    def _pages_for(self, blocks: int) -> int:
-        """Pages ``blocks`` cold blocks take (whole slabs of this geometry, rounded up)."""
-        page_map = self.allocator.page_map
-        slabs = -(-blocks // page_map.typical_slab_blocks)
-        return slabs * page_map.typical_slab_pages
+        return -(-blocks // self._slab_blocks) * self._slab_bytes if blocks > 0 else 0
 
     def went_idle(self) -> None:
         """The engine has no request left (once per idle spell, from the engine core): no
@@ -399,13 +442,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         chosen = allocator.allocate(num_blocks)
         while chosen is None:
             short = num_blocks - allocator.blocks_within(
-                self.elastic_store.policy.available_bytes(), num_blocks
+                self._policy.available_bytes(), num_blocks
             )
             if not self._evict_parked(max(1, short)):
                 raise ElasticCapacityError(
                     f"vLLM took {num_blocks} KV blocks that elastickv cannot back (committed "
                     f"{format_bytes(allocator.stats().committed_bytes)}, credit "
-                    f"{format_bytes(self.elastic_store.policy.available_bytes())}): the free "
+                    f"{format_bytes(self._policy.available_bytes())}): the free "
                     "count it was given was wrong; please report this"
                 )
             chosen = allocator.allocate(num_blocks)
