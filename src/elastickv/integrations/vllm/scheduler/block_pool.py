@@ -255,8 +255,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         ready = self.allocator.warm_free_blocks + len(self._parked)
         budget_blocks = self._budget_blocks
         if budget_blocks < 0:  # the step's token budget in blocks (fixed for a scheduler)
-            size = self._block_tokens
-            budget_blocks = self._budget_blocks = -(-int(scheduler.max_num_scheduled_tokens) // size)
+            tokens = int(scheduler.max_num_scheduled_tokens)
+            budget_blocks = self._budget_blocks = -(-tokens // self._block_tokens)
         ample = self._bytes_for(running + budget_blocks + waiting - ready)
         if ample <= have:
             self._short = False
@@ -441,9 +441,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         allocator = self.allocator
         chosen = allocator.allocate(num_blocks)
         while chosen is None:
-            short = num_blocks - allocator.blocks_within(
-                self._policy.available_bytes(), num_blocks
-            )
+            short = num_blocks - allocator.blocks_within(self._policy.available_bytes(), num_blocks)
             if not self._evict_parked(max(1, short)):
                 raise ElasticCapacityError(
                     f"vLLM took {num_blocks} KV blocks that elastickv cannot back (committed "
