@@ -1,4 +1,5 @@
-# elastickv — the two entry points are `make demo` and `make test`.
+# elastickv — the two entry points are `make demo` and `make test`; `make check` is the
+# developers' inner loop (lint, types, unit and property tests; no vLLM).
 #
 # Environments (all created on first use, reused afterwards):
 #   .venv                     the project: elastickv (editable) + test tools
@@ -55,7 +56,7 @@ NIXL_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.nixl-installed
 VLLM_ROUTER_PINS := vllm-router==0.1.17 orjson==3.13.0
 VLLM_ROUTER_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-router-installed
 
-.PHONY: demo test test-vllm-032 test-rest test-cuda-fake gpu-check venv vllm-venvs clean
+.PHONY: demo test check lint check-beside check-rest test-vllm-032 test-rest test-cuda-fake gpu-check venv vllm-venvs clean
 
 # The main job: `elastickv serve` with the built-in models under a bursty load (engines run in
 # the cached vLLM 0.32 environment), a live memory view, a picture, a summary.
@@ -68,18 +69,42 @@ demo: $(STAMP) $(VLLM_VENV_ROOT)/vllm-0.32/.elastickv-installed
 # on its own (same-named conftest modules would otherwise collide). Any failure (pytest
 # exit 5, "no tests", too) stops make with a non-zero status.
 test: $(STAMP) vllm-venvs $(NIXL_STAMP) $(VLLM_ROUTER_STAMP) $(FAKE_CUDA) $(CUDA_LOWEST)/.installed
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-032 test-rest
+
+# The inner loop while developing (under three minutes on two cores): lint and types as
+# `make test` runs them, then the project suite in .venv less what needs the vLLM
+# environments: the real-vLLM folders, the tests marked `vllm` (the demo, the serve page's
+# commands, doctor on the real environments) and the fake-driver suite (`make test-cuda-fake`
+# runs it; it needs a C compiler and a process of its own). Two streams at once, as in
+# `make test`: CHECK_BESIDE's folders, and every other folder (a new one lands there). A run
+# that collects nothing fails (pytest exit 5), as does any failure.
+CHECK_BESIDE := tests/cli tests/probes
+UNIT_IGNORES := --ignore=tests/vllm --ignore=tests/integration_vllm --ignore=$(FAKE_TESTS)
+
+check: $(STAMP)
+	$(MAKE) --no-print-directory lint
+	$(MAKE) --no-print-directory -j2 --output-sync=target check-beside check-rest
+
+check-beside:
+	$(PY) -m pytest $(CHECK_BESIDE) -m "not vllm"
+
+check-rest:
+	$(PY) -m pytest tests $(UNIT_IGNORES) $(addprefix --ignore=,$(CHECK_BESIDE)) -m "not vllm"
+
+# ruff and mypy (strict) as CI runs them.
+lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 	$(VENV)/bin/mypy src benchmarks
 	for d in tests/*/; do $(VENV)/bin/mypy "$$d" || exit 1; done
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-vllm-032 test-rest
 
 # The streams of `make test` (they expect its environments to exist).
 test-vllm-032:
 	$(V032) -m pytest $(VLLM_TESTS) $(addprefix --ignore=,$(BESIDE_TESTS))
 
 test-rest:
-	$(PY) -m pytest tests --ignore=tests/vllm --ignore=tests/integration_vllm --ignore=$(FAKE_TESTS)
+	$(PY) -m pytest tests $(UNIT_IGNORES)
 	$(MAKE) --no-print-directory test-cuda-fake
 	$(V028) -m pytest $(VLLM_TESTS)
 	$(V032) -m pytest $(BESIDE_TESTS)

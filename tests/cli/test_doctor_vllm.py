@@ -88,6 +88,7 @@ def test_without_any_vllm_doctor_says_what_to_run() -> None:
     assert sys.executable in text
 
 
+@pytest.mark.vllm
 def test_doctor_finds_the_real_vllm_environments() -> None:
     """The environments `make test` builds (``.venvs/`` of this clone, or VLLM_VENV_ROOT)."""
     root = Path(os.environ.get("VLLM_VENV_ROOT") or REPO / ".venvs")

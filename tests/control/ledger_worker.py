@@ -1,13 +1,14 @@
 """A real elastic instance for the multi-process ledger tests: a host-backend range, a
 ``BlockAllocator`` admitted through the ledger, and a random allocate/free workload.
 
-    python ledger_worker.py stress DIR NAME SECONDS SEED
-    python ledger_worker.py credit DIR NAME SECONDS SEED
+    python ledger_worker.py stress DIR NAME MIN_OPS SEED
+    python ledger_worker.py credit DIR NAME MIN_OPS SEED
     python ledger_worker.py hold DIR NAME BYTES
 
-Prints one JSON line ``{"ready": ..., "fd": <memfd>}`` once registered (stress then waits for a
-line on stdin, so all workers start contending together), and (stress) one JSON summary at the
-end. Exits non-zero if the kernel ever held more than the ledger admitted.
+Prints one JSON line ``{"ready": ..., "fd": <memfd>}`` once registered. stress and credit then
+wait for a line on stdin (``go``: all workers start contending together), run until a second
+line (``stop``: the test saw what it waits for) and at least MIN_OPS operations, and print one
+JSON summary. Exits non-zero if the kernel ever held more than the ledger admitted.
 
 ``credit`` runs an engine's protocol: credit taken per step for a random demand, blocks
 placed within it over page grants, and the page operations applied by a follower to a real
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import threading
 import time
 
 from elastickv.alloc import BlockAllocator
@@ -39,7 +41,32 @@ def say(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-def stress(directory: str, name: str, seconds: float, seed: int) -> int:
+class Until:
+    """Reads ``go`` (blocking), then ``stop`` in a thread: :meth:`running` until ``stop`` came
+    and at least ``min_ops`` operations were counted."""
+
+    def __init__(self, min_ops: int) -> None:
+        self.min_ops = min_ops
+        self.ops = 0
+        self._stop = threading.Event()
+
+    def go(self) -> Until:
+        sys.stdin.readline()  # start together, once every worker holds its null block
+        threading.Thread(target=self._wait_for_stop, daemon=True).start()
+        return self
+
+    def _wait_for_stop(self) -> None:
+        sys.stdin.readline()  # "stop", or the end of input: either way no more waiting
+        self._stop.set()
+
+    def running(self) -> bool:
+        if self._stop.is_set() and self.ops >= self.min_ops:
+            return False
+        self.ops += 1
+        return True
+
+
+def stress(directory: str, name: str, min_ops: int, seed: int) -> int:
     rng = random.Random(seed)
     with (
         open_ledger(directory=directory) as ledger,
@@ -48,13 +75,11 @@ def stress(directory: str, name: str, seconds: float, seed: int) -> int:
         BlockAllocator(GEOMETRY, vrange, LedgerPolicy(handle)) as alloc,
     ):
         say(ready=name, fd=vrange.pool.fd)
-        sys.stdin.readline()  # start together, once every worker holds its null block
+        until = Until(min_ops).go()
         held: list[list[int]] = []
-        ops = refusals = 0
+        refusals = 0
         max_footprint = 0
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            ops += 1
+        while until.running():
             if held and rng.random() < 0.45:
                 alloc.free(held.pop(rng.randrange(len(held))))
             else:
@@ -75,7 +100,7 @@ def stress(directory: str, name: str, seconds: float, seed: int) -> int:
             alloc.free(blocks)
         say(
             done=name,
-            ops=ops,
+            ops=until.ops,
             refusals=refusals,
             allocator_refusals=stats.refusals,
             max_footprint=max_footprint,
@@ -83,7 +108,7 @@ def stress(directory: str, name: str, seconds: float, seed: int) -> int:
     return 0
 
 
-def credit(directory: str, name: str, seconds: float, seed: int) -> int:
+def credit(directory: str, name: str, min_ops: int, seed: int) -> int:
     rng = random.Random(seed)
     grants = PageGrants(GEOMETRY.backing_bytes, PAGE)
     with (
@@ -96,13 +121,11 @@ def credit(directory: str, name: str, seconds: float, seed: int) -> int:
         follower = GrantFollower(vrange)
         follower.apply(grants.drain())
         say(ready=name, fd=vrange.pool.fd)
-        sys.stdin.readline()
+        until = Until(min_ops).go()
         held: list[list[int]] = []
-        steps = refusals = 0
+        refusals = 0
         max_footprint = 0
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            steps += 1
+        while until.running():
             # One scheduler step: credit for the demand, blocks within it, frees.
             policy.settle(rng.randint(0, 24) * PAGE)
             for _ in range(rng.randint(1, 4)):
@@ -127,7 +150,7 @@ def credit(directory: str, name: str, seconds: float, seed: int) -> int:
             alloc.free(blocks)
         alloc.close()
         follower.apply(grants.drain())
-        say(done=name, ops=steps, refusals=refusals, max_footprint=max_footprint)
+        say(done=name, ops=until.ops, refusals=refusals, max_footprint=max_footprint)
     return 0
 
 
@@ -149,9 +172,9 @@ def hold(directory: str, name: str, nbytes: int) -> int:
 def main(argv: list[str]) -> int:
     mode, directory, name = argv[:3]
     if mode == "stress":
-        return stress(directory, name, float(argv[3]), int(argv[4]))
+        return stress(directory, name, int(argv[3]), int(argv[4]))
     if mode == "credit":
-        return credit(directory, name, float(argv[3]), int(argv[4]))
+        return credit(directory, name, int(argv[3]), int(argv[4]))
     if mode == "hold":
         return hold(directory, name, int(argv[3]))
     raise SystemExit(f"unknown mode {mode!r}")

@@ -15,11 +15,10 @@ from elastickv.control.liveness import current_identity, process_start_time
 from elastickv.control.records import F_COMMITTED, read_raw, record_offset, write_raw
 
 START_AND_REGISTER = """
-import sys, time
+import sys
 from elastickv.control import open_ledger
-start_at = float(sys.argv[2])
-while time.time() < start_at:
-    pass
+print("ready", flush=True)
+sys.stdin.readline()  # every child imported and waiting: all open the ledger at once
 ledger = open_ledger(directory=sys.argv[1], total_bytes={budget})
 handle = ledger.register()
 assert handle.try_admit({nbytes})
@@ -29,18 +28,24 @@ print(handle.name, flush=True)
 
 
 def run_children(directory: Path, count: int, *, ending: str) -> list[str]:
-    import time
-
+    """``count`` children open a fresh ledger and register together: each waits, imports
+    done, until all are waiting (a line on a pipe; no busy wait for a clock time)."""
     code = START_AND_REGISTER.format(budget=BUDGET, nbytes=MiB, ending=ending)
-    start_at = str(time.time() + 1.0)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code, str(directory), start_at],
+            [sys.executable, "-c", code, str(directory)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for _ in range(count)
     ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     names = []
     for proc in procs:
         out, _ = proc.communicate(timeout=60)

@@ -21,7 +21,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from elastickv.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -193,13 +194,6 @@ def page_commands(path: Path, marker: str | None) -> list[tuple[str, str]]:
     return found
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 _COMMENT = re.compile(r"\s+#[^'\"]*$")
 
 
@@ -242,7 +236,9 @@ class ShellSession:
     log: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.ports = {port: _free_port() for port in DOC_PORTS}
+        # Below the ephemeral range: a server binds its port tens of seconds after the pick,
+        # and an ephemeral one may be taken meanwhile by any connection on the host.
+        self.ports = {port: free_port() for port in DOC_PORTS}
         self.temp = Path(tempfile.mkdtemp(prefix="ekv-doc-"))  # short: socket paths in it
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("ELASTICKV")},
@@ -342,10 +338,15 @@ class ShellSession:
             except subprocess.TimeoutExpired:
                 os.killpg(job.proc.pid, signal.SIGKILL)
                 code = job.proc.wait()
+            # Its other processes (a vLLM engine core) may still be exiting, holding their
+            # ledger record until they are gone: the records are read once none is left.
+            running = _session_left(job.proc.pid)
             self.log.append(f"[{job.where}] {job.command}\n{job.text()}")
             self.ended.append(job)
             if code != 0:
                 problems.append(f"{job.where}: `{job.command}` ended with {code} after Ctrl-C")
+            if running:
+                problems.append(f"{job.where}: `{job.command}` left processes running: {running}")
         self.background.clear()
         listing = subprocess.run(
             [str(self.bin / "elastickv"), "list", "--json"], env=self.env, capture_output=True,
@@ -355,6 +356,21 @@ class ShellSession:
         problems += [f"ledger record left: {i['name']} (pid {i['pid']})" for i in left]
         shutil.rmtree(self.temp, ignore_errors=True)
         return problems
+
+
+# Only against a hang: how long a stopped command's other processes may take to exit.
+SESSION_END_S = 120.0
+
+
+def _session_left(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running once they had ``SESSION_END_S`` to
+    exit (none, normally: they end within seconds of the command itself)."""
+    from elastickv.serve.engine import session_processes
+
+    deadline = time.monotonic() + SESSION_END_S
+    while (left := [p.pid for p in session_processes(sid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def run_page(path: Path, marker: str | None, workdir: Path, bin_dir: Path) -> ShellSession:

@@ -147,6 +147,7 @@ def test_every_shell_block_of_the_run_pages_runs_somewhere_or_says_why_not() -> 
     assert page_commands(REPO / "docs" / "vllm.md", "vllm")
 
 
+@pytest.mark.vllm
 def test_serve_page_commands_run_as_written(tmp_path: Path) -> None:
     """docs/serve.md's commands, in order: ``elastickv serve`` with the built-in models on
     real vLLM (the project's vLLM environment), requests with curl, ``elastickv list``; then

@@ -145,10 +145,27 @@ def engine_env(side_port: int, core: int) -> dict[str, str]:
     }
 
 
-def idle_cpu_s(servers: list[Server], seconds: float = 2.0, settle_s: float = 3.0) -> float:
+def vllm_busy_loop_s() -> float:
+    """How long vLLM's message-queue readers (a TP engine's workers, its engine core) keep
+    polling after their last read before they sleep on a socket: ``busy_loop_s`` of vLLM's
+    ``SpinCondition``, read from the installed vLLM."""
+    import inspect
+
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    return float(inspect.signature(SpinCondition).parameters["busy_loop_s"].default)
+
+
+# After vLLM's busy loop: the readers' last reads came before the last response did, so
+# they have all gone to sleep by then; the margin covers reading the clocks.
+SETTLE_MARGIN_S = 2.0
+
+
+def idle_cpu_s(servers: list[Server], seconds: float = 2.0) -> float:
     """CPU seconds the servers' processes use over ``seconds`` with no request in flight,
-    from ``settle_s`` after the last one (vLLM's TP workers keep polling their message queue
-    for a while after the last step, by design)."""
+    from vLLM's busy loop after the last one (its readers keep polling their message queue
+    that long after their last read, by design; see :func:`vllm_busy_loop_s`)."""
+    settle_s = vllm_busy_loop_s() + SETTLE_MARGIN_S
 
     def used() -> float:
         total = 0.0

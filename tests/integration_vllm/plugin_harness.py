@@ -396,10 +396,7 @@ def failing_start(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    time.sleep(1)  # let children that are exiting finish
-    from elastickv.serve.engine import session_processes
-
-    left = [p.pid for p in session_processes(proc.pid)]
+    left = session_left(proc.pid)
     ledger = ledger_list(ledger_dir)["instances"] if ledger_dir.exists() else []
     return {
         "returncode": proc.returncode,
@@ -408,6 +405,22 @@ def failing_start(
         "left": left,
         "ledger": ledger,
     }
+
+
+# Only against a hang: how long the processes a stopped command started may take to exit.
+SESSION_END_S = 60.0
+
+
+def session_left(sid: int) -> list[int]:
+    """The processes of session ``sid`` still running once they had ``SESSION_END_S`` to
+    exit: children still exiting when their parent ended (multiprocessing's resource
+    tracker, an engine core) are not taken for left behind."""
+    from elastickv.serve.engine import session_processes
+
+    deadline = time.monotonic() + SESSION_END_S
+    while (left := [p.pid for p in session_processes(sid)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 # What vLLM logs once it starts building the model: an early refusal must come before.

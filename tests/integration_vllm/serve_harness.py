@@ -223,26 +223,38 @@ class LedgerSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self, ledger: Any) -> None:
+        snap = ledger.snapshot()
+        self.samples.append({i.name: (i.used_bytes, i.limit_desired) for i in snap.instances})
+        for path in self.files:
+            with contextlib.suppress(OSError):
+                footprint = os.stat(path).st_blocks * 512
+                self.peak_footprint[path] = max(self.peak_footprint[path], footprint)
+
+    def _sample_once(self) -> None:
+        with open_ledger("host", directory=str(self.ledger_dir), create=False) as ledger:
+            self._sample(ledger)
+
     def _run(self) -> None:
         with open_ledger("host", directory=str(self.ledger_dir), create=False) as ledger:
-            while not self._stop.is_set():
-                snap = ledger.snapshot()
-                self.samples.append(
-                    {i.name: (i.used_bytes, i.limit_desired) for i in snap.instances}
-                )
-                for path in self.files:
-                    with contextlib.suppress(OSError):
-                        footprint = os.stat(path).st_blocks * 512
-                        self.peak_footprint[path] = max(self.peak_footprint[path], footprint)
-                time.sleep(self.interval)
+            while not self._stop.wait(self.interval):
+                self._sample(ledger)
 
     def __enter__(self) -> LedgerSampler:
+        """The first sample is taken here, before anything the block does."""
+        self._sample_once()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """The last sample is taken here, after everything the block waited for."""
         self._stop.set()
         self._thread.join(timeout=10)
+        self._sample_once()
+
+    def peak_used(self, name: str) -> int:
+        """The most ``name`` held (committed and credit) in any sample so far."""
+        return max((s.get(name, (0, None))[0] for s in list(self.samples)), default=0)
 
     def peak_total(self) -> int:
         return max((sum(u for u, _ in s.values()) for s in self.samples), default=0)

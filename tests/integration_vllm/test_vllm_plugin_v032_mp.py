@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psutil
-from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE, proc_fd_opens
+from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE, SESSION_END_S, proc_fd_opens
 
 EngineRuns = Callable[..., dict[str, Any]]
 ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching", "--scheduler-clock")
@@ -76,8 +76,9 @@ def test_mp_shutdown_leaves_no_process(runs: EngineRuns) -> None:
         assert not _still_running([int(pid) for pid in shutdown["children"]])
 
 
-def _still_running(pids: list[int], timeout: float = 10) -> list[int]:
-    """Those of ``pids`` still running (not zombies) after up to ``timeout`` seconds."""
+def _still_running(pids: list[int], timeout: float = SESSION_END_S) -> list[int]:
+    """Those of ``pids`` still running (not zombies) after up to ``timeout`` seconds (only
+    against a hang: the resource tracker exits as soon as it sees the runner gone)."""
     deadline = time.monotonic() + timeout
     while True:
         running = []

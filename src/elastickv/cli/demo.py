@@ -30,7 +30,9 @@ from elastickv.units import format_bytes
 MODELS = ("tiny-llama", "tiny-llama-bf16")
 BUDGET = 12 << 20
 RELEASE_AFTER_S = 4
-LINGER_S = 8.0  # keep watching after the load, so the release shows
+# After the load, keep watching until every model has released its KV (RELEASE_AFTER_S idle,
+# then serve's next idle check), so the release shows; at most this long.
+RELEASE_WAIT_S = 60.0
 
 
 def register(commands: Any) -> None:
@@ -135,21 +137,30 @@ async def _drive(base: str, peak: int, console: Console) -> dict[str, Any]:
         with live if console.is_terminal else contextlib.nullcontext():
             last_line = 0.0
             until: float | None = None
-            while until is None or time.monotonic() < until:
+            while True:
                 if load.done() and until is None:
-                    until = time.monotonic() + LINGER_S
+                    until = time.monotonic() + RELEASE_WAIT_S
                 elapsed = time.monotonic() - start
+                ended = until is not None and (_all_released(monitor) or time.monotonic() > until)
                 if console.is_terminal:
                     live.update(_view(monitor, elapsed, len(arrivals), load.done()))
-                elif elapsed - last_line >= 2.0:
+                elif ended or elapsed - last_line >= 2.0:  # the last state is always shown
                     last_line = elapsed
                     console.print(_line(monitor, elapsed), highlight=False, soft_wrap=True)
+                if ended:
+                    break
                 await asyncio.sleep(0.25)
         watch.cancel()
         results = await load
     failed = sum(not r.ok for r in results)
     return {"results": results, "memory": monitor.memory, "states": monitor.states,
             "failed": failed, "seconds": time.monotonic() - start}  # fmt: skip
+
+
+def _all_released(monitor: Any) -> bool:
+    """Whether serve's last answer showed every model with its KV released."""
+    states = {m["name"]: m["state"] for m in monitor.latest}
+    return set(states) == set(MODELS) and set(states.values()) == {"kv-released"}
 
 
 def _view(monitor: Any, elapsed: float, total: int, done: bool) -> Group:
