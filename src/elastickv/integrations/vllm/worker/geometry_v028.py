@@ -16,10 +16,23 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry, layout_from_stride_order
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.worker.kv_spec import full_attention_spec
+from elastickv.integrations.vllm.worker.kv_spec import attention_spec, is_mla, row_dtypes
 
-# Backends whose 0.28 shape is the packed ``(B, H, N, 2D)`` row format, as tested end to end.
-SUPPORTED_BACKENDS = ("CPU_ATTN",)
+# Backends whose 0.28 KV caches elastickv places: the packed ``(B, H, N, Dk + Dv)`` shape in
+# their stride order, or MLA's ``(B, N, D)`` per layer. Each is proven by the runner contract
+# tests (vLLM's own allocation and views, over elastic storage, byte for byte equal to
+# native), and is one vLLM's CPU or CUDA platform selects.
+SUPPORTED_BACKENDS = (
+    "CPU_ATTN",
+    "FLASH_ATTN",
+    "FLASH_ATTN_DIFFKV",
+    "TRITON_ATTN",
+    "TRITON_ATTN_DIFFKV",
+    "FLEX_ATTENTION",
+    "FLASHMLA",
+    "TRITON_MLA",
+    "TOKENSPEED_MLA",
+)
 
 
 @dataclass(frozen=True)
@@ -78,13 +91,31 @@ def backend_of(attn_groups: Any, layers: tuple[str, ...]) -> Any:
     return backends.pop()
 
 
-def stride_order(backend: Any) -> tuple[int, ...]:
-    """vLLM 0.28's rule: the backend's per-layer stride order, identity if it has none."""
+def registered_name(backend: Any) -> str:
+    """The ``AttentionBackendEnum`` name vLLM registers ``backend``'s class under (its own
+    ``get_name()`` is not unique: ROCm's AITER FlashAttention answers ``FLASH_ATTN``); a
+    class registered under no name is named by its path, which no allowlist holds."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    path = f"{backend.__module__}.{backend.__qualname__}"
+    for member in AttentionBackendEnum:
+        try:
+            registered = member.get_path()
+        except ValueError:  # a placeholder no class is registered under (TORCH_SDPA, CUSTOM)
+            continue
+        if registered == path:
+            return str(member.name)
+    return f"{backend.get_name()} ({path})"
+
+
+def stride_order(backend: Any, dims: int) -> tuple[int, ...]:
+    """vLLM 0.28's rule: the backend's per-layer stride order of its ``dims``-dimensional
+    shape, identity if it has none (or one of another length)."""
     try:
         order = tuple(int(i) for i in backend.get_kv_cache_stride_order())
     except (AttributeError, NotImplementedError):
-        order = (0, 1, 2, 3)
-    return order
+        order = tuple(range(dims))
+    return order if len(order) == dims else tuple(range(dims))
 
 
 def plan_from_config(
@@ -92,21 +123,15 @@ def plan_from_config(
 ) -> PerLayerPlan:
     """The geometry of vLLM 0.28's per-layer KV cache, or a start-up error naming why not."""
     layers, layer_bytes = per_layer_tensors(kv_cache_config)
-    name = str(backend.get_name())
+    name = registered_name(backend)
     if name not in SUPPORTED_BACKENDS:
         raise ElasticKVStartupError(
             f"elastickv does not support the {name} attention backend with vLLM 0.28; "
             f"supported: {', '.join(SUPPORTED_BACKENDS)}"
         )
-    spec = full_attention_spec(kv_cache_config, layers[0])
-    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
-    slots = getattr(spec, "num_head_slots", None)
-    if quant != "NONE" or slots not in (None, spec.num_kv_heads):
-        raise ElasticKVStartupError(
-            f"elastickv does not support KV quantization mode {quant} / {slots} head slots "
-            "with vLLM 0.28 yet (set by --kv-cache-dtype); supported: NONE with one slot per "
-            "KV head (--kv-cache-dtype auto)"
-        )
+    spec = attention_spec(kv_cache_config, layers[0])
+    dtype, kv_cache_dtype = row_dtypes(spec, "0.28")
+    mla = is_mla(spec)
     page = int(spec.page_size_bytes)
     if layer_bytes % page:
         raise ElasticKVStartupError(
@@ -115,24 +140,51 @@ def plan_from_config(
         )
     num_blocks = layer_bytes // page
     kbs = int(kernel_block_size) if kernel_block_size is not None else int(spec.block_size)
-    shape = tuple(backend.get_kv_cache_shape(num_blocks, kbs, spec.num_kv_heads, spec.head_size))
-    packed = (num_blocks, int(spec.num_kv_heads), kbs, 2 * int(spec.head_size))
-    if shape != packed:
+    if kbs <= 0 or int(spec.block_size) % kbs:
         raise ElasticKVStartupError(
-            f"the {name} backend's KV cache shape {shape} is not the packed (B, H, N, 2D) "
-            f"shape {packed} elastickv models for it"
+            f"kernel block size {kbs} does not divide the block size {spec.block_size}"
+        )
+    kernel_blocks = num_blocks * (int(spec.block_size) // kbs)
+    heads, head_size = int(spec.num_kv_heads), int(spec.head_size)
+    shape = tuple(
+        backend.get_kv_cache_shape(
+            kernel_blocks,
+            kbs,
+            heads,
+            head_size,
+            cache_dtype_str=getattr(spec, "cache_dtype_str", None) or kv_cache_dtype,
+        )
+    )
+    modelled: tuple[int, ...]
+    if mla:
+        modelled = (kernel_blocks, kbs, head_size)
+        what = "MLA (B, N, D)"
+    else:
+        modelled = (kernel_blocks, heads, kbs, head_size + int(spec.head_size_v))
+        what = "packed (B, H, N, Dk + Dv)"
+    if shape != modelled:
+        raise ElasticKVStartupError(
+            f"the {name} backend's KV cache shape {shape} is not the {what} shape {modelled} "
+            "elastickv models for it"
+        )
+    order = stride_order(backend, len(shape))
+    if mla and order != (0, 1, 2):
+        raise ElasticKVStartupError(
+            f"the {name} backend orders its MLA cache {order}; elastickv places MLA caches "
+            "in their own order (0, 1, 2) per layer"
         )
     try:
         geometry = KVCacheGeometry(
             num_layers=len(layers),
             num_blocks=num_blocks,
-            num_kv_heads=int(spec.num_kv_heads),
+            num_kv_heads=heads,
             block_size=int(spec.block_size),
-            head_size=int(spec.head_size),
-            head_size_v=int(spec.head_size_v),
-            dtype=str(spec.dtype).removeprefix("torch."),
-            layout=layout_from_stride_order(stride_order(backend)),
-            kind="packed",
+            head_size=head_size,
+            head_size_v=None if mla else int(spec.head_size_v),
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
+            layout="LBHNC" if mla else layout_from_stride_order(order),
+            kind="mla" if mla else "packed",
             kernel_block_size=kbs,
             page_size_padded=spec.page_size_padded,
             contract=Contract.V028,

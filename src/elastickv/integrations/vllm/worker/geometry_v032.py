@@ -12,9 +12,7 @@ from typing import Any
 
 from elastickv.geometry import Contract, GeometryError, KVCacheGeometry
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
-from elastickv.integrations.vllm.worker.kv_spec import full_attention_spec
-
-_SUPPORTED_QUANT = ("NONE",)
+from elastickv.integrations.vllm.worker.kv_spec import attention_spec, is_mla, row_dtypes
 
 
 def single_tensor(kv_cache_config: Any) -> Any:
@@ -33,14 +31,9 @@ def geometry_from_config(
 ) -> KVCacheGeometry:
     """The geometry of vLLM's KV cache, or a start-up error naming what is unsupported."""
     tensor = single_tensor(kv_cache_config)
-    spec = full_attention_spec(kv_cache_config, tensor.layers[0])
-    quant = getattr(getattr(spec, "kv_quant_mode", None), "name", "NONE")
-    if quant not in _SUPPORTED_QUANT:
-        raise ElasticKVStartupError(
-            f"elastickv does not support KV quantization mode {quant} with vLLM 0.32 yet (set "
-            f"by --kv-cache-dtype); supported: {', '.join(_SUPPORTED_QUANT)} (--kv-cache-dtype "
-            "auto)"
-        )
+    spec = attention_spec(kv_cache_config, tensor.layers[0])
+    dtype, kv_cache_dtype = row_dtypes(spec, "0.32")
+    mla = is_mla(spec)
     try:
         geometry = KVCacheGeometry(
             num_layers=len(tensor.layers),
@@ -48,9 +41,11 @@ def geometry_from_config(
             num_kv_heads=int(spec.num_kv_heads),
             block_size=int(spec.block_size),
             head_size=int(spec.head_size),
-            head_size_v=int(spec.head_size_v),
-            dtype=str(spec.dtype).removeprefix("torch."),
+            head_size_v=None if mla else int(spec.head_size_v),
+            dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             layout=layout_name,
+            kind="mla" if mla else "packed",
             kernel_block_size=kernel_block_size,
             page_size_padded=spec.page_size_padded,
             offset=int(tensor.offset),

@@ -65,17 +65,21 @@ def place_per_layer(
     kernel_block_sizes: list[int],
     device: Any,
     allocate: Callable[[LayerBackingMode], dict[str, Any]],
+    *,
+    memory_device: Any = None,
 ) -> dict[str, Any]:
     """The 0.28 placement for either runner: the per-layer plan first, then the worker's
     range, then vLLM's own allocation (``allocate(mode)``) answered with consecutive slices of
-    it, then every view checked."""
+    it, then every view checked. ``device`` and ``memory_device`` are as for 0.32's
+    :func:`~.worker_v032.place_single_backing`."""
     _no_connector()
     layers, _ = per_layer_tensors(kv_cache_config)
     backend = backend_of(attn_groups, layers)
     group = group_index(kv_cache_config, layers[0])
     kbs = kernel_block_sizes[group] if group < len(kernel_block_sizes) else None
     plan = plan_from_config(kv_cache_config, backend, kbs)
-    placed = place(config, plan.geometry, plan.size_bytes, device)
+    memory = device if memory_device is None else memory_device
+    placed = place(config, plan.geometry, plan.size_bytes, memory)
     try:
         backing = placed.backing()
         slices = [

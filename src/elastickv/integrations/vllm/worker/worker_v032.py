@@ -49,14 +49,21 @@ def place_single_backing(
     kernel_block_sizes: list[int],
     device: Any,
     allocate: Callable[[BackingMode], dict[str, Any]],
+    *,
+    memory_device: Any = None,
 ) -> dict[str, Any]:
     """The 0.32 placement for either runner: geometry first, then the worker's range, then
-    vLLM's own allocation (``allocate(mode)``) answered with it, then every view checked."""
+    vLLM's own allocation (``allocate(mode)``) answered with it, then every view checked.
+
+    ``device`` is where vLLM allocates (its ``torch.zeros(..., device=device)`` is the call
+    answered); ``memory_device`` is whose memory holds the range, ``device`` unless given (a
+    host range under vLLM's ``cuda`` device runs vLLM's GPU code on CPU tensors, as the
+    contract tests do)."""
     tensor = single_tensor(kv_cache_config)
     group = group_index(kv_cache_config, tensor.layers[0])
     geometry = geometry_from_config(kv_cache_config, layout, kernel_block_sizes[group])
     size = int(tensor.size)
-    placed = place(config, geometry, size, device)
+    placed = place(config, geometry, size, device if memory_device is None else memory_device)
     try:
         backing = placed.backing()
         mode = BackingMode(backing, device)
