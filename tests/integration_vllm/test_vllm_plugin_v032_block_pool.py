@@ -389,3 +389,28 @@ def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool
             assert all(b.block_hash is None for r, _ in held for b in r if b.block_id not in parked)
     finally:
         elastic.close_elastic()
+
+
+def test_the_prefix_cache_resets_while_the_budget_binds() -> None:
+    """vLLM's ``reset_prefix_cache`` (its ``/reset_prefix_cache`` endpoint, sleep level 1)
+    succeeds only when no block is in use, and counts that from ``get_num_free_blocks``: an
+    idle engine whose budget binds (fewer backable blocks than vLLM's free ones) must still
+    reset, and drop its parked blocks' pages. (It answered False, with vLLM's "blocks are
+    still in use" warning.)"""
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+    made = make_pool(24, 4, hot_max_pages=0)
+    try:
+        blocks = made.get_new_blocks(2)
+        for index, block in enumerate(blocks):
+            key = make_block_hash_with_group_id(BlockHash(bytes([index + 1]) * 32), 0)
+            made._insert_block_hash(key, block, num_tokens=16)
+        made.free_blocks(reversed(blocks))
+        assert made.elastic_stats()["parked_blocks"] == 2
+        assert made.get_num_free_blocks() < made.free_block_queue.num_free_blocks
+        assert made.reset_prefix_cache()
+        stats = made.elastic_stats()
+        assert stats["parked_blocks"] == 0 and stats["committed_pages"] == 1  # the null block's
+        assert made.get_num_free_blocks() < made.free_block_queue.num_free_blocks
+    finally:
+        made.close_elastic()

@@ -169,25 +169,28 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if now >= self._next_limit_check:
             self.sync_limit()
         running = len(scheduler.running)
-        if scheduler.waiting:
-            waiting = self._waiting_blocks(scheduler)
+        queued = len(scheduler.waiting)
+        waiting = 0
+        if queued:
+            room = scheduler.max_num_running_reqs - running
+            if room > 0:
+                waiting = self._waiting_blocks(scheduler.waiting, room)
             self._forecast = running + waiting
         else:
-            waiting = self._forecast = 0
-        if self.credit is not None:
-            self._move_credit(self.credit, scheduler, running, waiting, now)
-        # The limit or the device budget, not vLLM's own free blocks, binds this step: with
-        # credit, when the ledger gave less than the step needs (credit is always short of
-        # vLLM's virtual blocks); with a local budget, when its room is short of them.
-        if self.credit is not None:
+            self._forecast = 0
+        credit = self.credit
+        if credit is not None:
+            self._move_credit(credit, scheduler, running, waiting, now)
+            # With credit, the limit or the device budget (not vLLM's own free blocks) binds
+            # when the ledger gave less than the step needs: credit is always short of
+            # vLLM's virtual blocks.
             short = self._short
-        else:
-            free = self.free_block_queue.num_free_blocks
-            short = self.get_num_free_blocks() < free
+        else:  # a local budget binds when its room is short of vLLM's free blocks
+            short = self.get_num_free_blocks() < self.free_block_queue.num_free_blocks
         headroom = 0
         if short:
             self.refusals += 1
-            if scheduler.waiting and running:
+            if queued and running:
                 headroom = admission_headroom(scheduler.kv_cache_manager, scheduler.requests)
                 self._refusals.refused(headroom + 1, self._committed_bytes)
         if headroom != self._headroom:
@@ -209,17 +212,13 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
 
-    def _waiting_blocks(self, scheduler: Any) -> int:
-        """The blocks of every waiting request there is room to admit this step (vLLM asks
-        room for a full prompt before it admits one), a block to spare each; no more than
-        vLLM's own free blocks. No loop while the engine runs as many requests as it may."""
-        room = int(scheduler.max_num_running_reqs) - len(scheduler.running)
-        if room <= 0 or not scheduler.waiting:
-            return 0
+    def _waiting_blocks(self, waiting: Iterable[Any], room: int) -> int:
+        """The blocks of the first ``room`` waiting requests (vLLM asks room for a full prompt
+        before it admits one), a block to spare each; no more than vLLM's own free blocks."""
         free: int = self.free_block_queue.num_free_blocks
         size = self._block_tokens
         blocks = 0
-        for request in itertools.islice(scheduler.waiting, room):
+        for request in itertools.islice(waiting, room):
             blocks += -(-request.num_tokens // size) + 1
             if blocks >= free:
                 return free
@@ -545,7 +544,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._release_unhashed_parked(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        ok = bool(super().reset_prefix_cache())
+        """vLLM's reset, which succeeds only when no block is in use: it tells that from
+        ``get_num_free_blocks``, so it is given vLLM's own count for the call (the backable
+        count is short of it whenever the budget binds, and the reset would always fail)."""
+        queue = self.free_block_queue
+        self.get_num_free_blocks = lambda: queue.num_free_blocks  # type: ignore[method-assign]
+        try:
+            ok = bool(super().reset_prefix_cache())
+        finally:
+            del self.get_num_free_blocks
         if ok:
             self._release_unhashed_parked(list(self._parked))
         return ok
