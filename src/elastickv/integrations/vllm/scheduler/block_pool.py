@@ -101,7 +101,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._budget_blocks = -1  # a step's token budget in blocks, from the first step
         self._parked: dict[int, None] = {}  # LRU first
         # :meth:`get_num_free_blocks`'s last answer and the state it was computed from.
-        self._seen_free = self._seen_version = self._seen_parked = self._seen_credit = -1
+        self._seen_free = self._seen_version = -1
         self._free_answer = 0
         self._next_limit_check = 0.0
         self._next_publish = 0.0
@@ -119,7 +119,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self.registration is not None:
             self.registration.attach_allocator(self.allocator, cached_blocks=self.cached_blocks)
         if self.credit is not None:
-            self.credit.settle(0)  # publish the null block's pages as committed
+            self._settle(self.credit, 0)  # publish the null block's pages as committed
         log_startup(store, self.allocator, self.registration)
 
     # -- vLLM's free-block count -------------------------------------------------------------
@@ -130,21 +130,19 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         ``get_new_blocks`` of this many cannot fail."""
         free: int = self.free_block_queue.num_free_blocks
         # vLLM asks once per running request per step, mostly about unchanged state: the
-        # answer is kept with what it was computed from.
-        version = self.allocator.state_version
-        parked = len(self._parked)
-        credit = self._policy.available_bytes()
-        if (
-            free == self._seen_free
-            and version == self._seen_version
-            and parked == self._seen_parked
-            and credit == self._seen_credit
-        ):
+        # answer is kept with vLLM's free count and the allocator's state version it was
+        # computed at; a change of the parked blocks or the credit drops it (``_forget``).
+        if free == self._seen_free and self.allocator.state_version == self._seen_version:
             return self._free_answer
-        answer = self._free_answer = min(free, self.allocator.blocks_within(credit, free) + parked)
+        version = self.allocator.state_version
+        room = self.allocator.blocks_within(self._policy.available_bytes(), free)
+        answer = self._free_answer = min(free, room + len(self._parked))
         self._seen_free, self._seen_version = free, version
-        self._seen_parked, self._seen_credit = parked, credit
         return answer
+
+    def _forget(self) -> None:
+        """The parked blocks or the credit changed: the kept free count is stale."""
+        self._seen_free = -1
 
     def get_usage(self) -> float:
         """vLLM's KV cache usage (its metrics and logs): blocks in use of all blocks, as native
@@ -260,7 +258,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if ample <= have:
             self._short = False
             if have > 2 * ample + self._slack_bytes:
-                credit.settle(ample)  # far more than a step takes: give the rest back
+                self._settle(credit, ample)  # far more than a step takes: give the rest back
                 self._next_publish = now + PUBLISH_INTERVAL_S
             elif now >= self._next_publish:
                 self._publish(credit, now)
@@ -276,16 +274,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if ask == want and not credit.limit_allows(want):
             self._short = True  # the limit the ledger last showed says no: do not ask
             return
-        granted = credit.settle(ask)
+        granted = self._settle(credit, ask)
         self._short = granted < want
         if granted < ask:
             self._credit_retry_at = now + CREDIT_RETRY_S
         self._next_publish = now + PUBLISH_INTERVAL_S
 
+    def _settle(self, credit: CreditPolicy, nbytes: int) -> int:
+        """:meth:`CreditPolicy.settle`, and the kept free count forgotten (the credit moved)."""
+        self._forget()
+        return credit.settle(nbytes)
+
     def _publish(self, credit: CreditPolicy, now: float) -> None:
         """Publish the committed bytes (``elastickv list``), keeping the credit as it is; the
         next time, ``PUBLISH_INTERVAL_S`` from ``now``."""
-        credit.settle(credit.credit_bytes)
+        self._settle(credit, credit.credit_bytes)
         self._next_publish = now + PUBLISH_INTERVAL_S
 
     def _bytes_for(self, blocks: int) -> int:
@@ -298,7 +301,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.idle = True
         self.allocator.forecast(0)
         if self.credit is not None:
-            self.credit.settle(0)
+            self._settle(self.credit, 0)
             self._next_publish = time.monotonic() + PUBLISH_INTERVAL_S
 
     def idle_tick(self) -> int:
@@ -307,7 +310,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self.allocator.forecast(0)
         released = self.sync_limit_idle()
         if self.credit is not None and self.credit.credit_bytes:
-            self.credit.settle(0)
+            self._settle(self.credit, 0)
         return released
 
     def take_page_ops(self) -> PageOps | None:
@@ -364,7 +367,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if over <= 0:
             return 0
         if credit.credit_bytes:
-            credit.settle(max(0, credit.credit_bytes - over))
+            self._settle(credit, max(0, credit.credit_bytes - over))
             over = credit.over_limit_bytes()
         released = 0
         page = self._page_bytes
@@ -375,7 +378,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if trimmed == 0 and not self._evict_parked(max(1, -(-over // page))):
                 self._log_draining(credit, over)
                 break  # only live blocks remain: they drain as requests finish
-            credit.settle(0)  # released pages back to the device, not kept as credit
+            self._settle(credit, 0)  # released pages back to the device, not kept as credit
             over = credit.over_limit_bytes()
         if released:
             info = credit.info()
@@ -484,6 +487,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for block in blocks:
             self._maybe_evict_cached_block(block)
             del self._parked[block.block_id]
+        self._forget()
         if self._reuse_watchers:
             self._notify_reuse(blocks)
         self.allocator.free(victims)
@@ -510,6 +514,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 continue
             if park and block.block_hash is not None:
                 parked[block_id] = None
+                self._seen_free = -1  # :meth:`_forget`, inlined
             else:
                 released.append(block_id)
         if not released:
@@ -527,9 +532,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for block in blocks:
             if block.ref_cnt == 0:
                 self._parked[block.block_id] = None  # still read until reused
+        self._forget()
 
     def touch(self, blocks: Any) -> None:
         super().touch(blocks)
+        self._forget()
         for block in blocks:
             if self._parked.pop(block.block_id, None) is None and not self.allocator.is_live(
                 block.block_id
@@ -568,6 +575,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         for b in done:
             del self._parked[b]
         if done:
+            self._forget()
             self.allocator.free(done)
 
     # -- introspection -----------------------------------------------------------------------
