@@ -127,7 +127,7 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: Any) -> None:
 
 def counted_now(pool: Any) -> int:
     """The free count computed afresh from the pool's books (no answer kept)."""
-    free = pool.free_block_queue.num_free_blocks
+    free: int = pool.free_block_queue.num_free_blocks
     room = pool.allocator._count_within(pool.elastic_store.policy.available_bytes(), free)
     return min(free, room + pool.elastic_stats()["parked_blocks"])
 
