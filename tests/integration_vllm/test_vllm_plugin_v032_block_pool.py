@@ -128,8 +128,9 @@ def test_prefix_hits_are_not_evicted_to_back_new_blocks(pool: Any) -> None:
 def counted_now(pool: Any) -> int:
     """The free count computed afresh from the pool's books (no answer kept)."""
     free: int = pool.free_block_queue.num_free_blocks
-    room = pool.allocator._count_within(pool.elastic_store.policy.available_bytes(), free)
-    return min(free, room + pool.elastic_stats()["parked_blocks"])
+    room: int = pool.allocator._count_within(pool.elastic_store.policy.available_bytes(), free)
+    parked: int = pool.elastic_stats()["parked_blocks"]
+    return min(free, room + parked)
 
 
 @settings(max_examples=60, deadline=None)
