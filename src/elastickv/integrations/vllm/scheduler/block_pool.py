@@ -246,8 +246,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         ledger is not asked (its committed bytes are published every ``PUBLISH_INTERVAL_S``);
         far more than it goes back. Below it, the running requests' exact demand is counted:
         while the credit covers that, nothing is asked either; else the ledger is asked for
-        the ample demand (or what the limit last seen allows), not again for
-        ``CREDIT_RETRY_S`` after a refusal."""
+        the ample demand (or what the limit last seen allows). After a refusal (the ledger's,
+        or the limit last seen) the engine stays short, and asks nothing, for
+        ``CREDIT_RETRY_S``: an engine at its limit pays one loop per step at most."""
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
         budget_blocks = self._budget_blocks
@@ -263,16 +264,22 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             elif now >= self._next_publish:
                 self._publish(credit, now)
             return
+        if self._short and now < self._credit_retry_at:
+            return  # short since a refusal less than CREDIT_RETRY_S ago: nothing to ask yet
         want = self._bytes_for(self._running_blocks(scheduler) + waiting - ready)
         if want <= have:
+            self._short = False
             if now >= self._next_publish:
                 self._publish(credit, now)
             return
+        self._short = True
         if now < self._credit_retry_at:
             return
         ask = ample if credit.limit_allows(ample) else want
         if ask == want and not credit.limit_allows(want):
-            self._short = True  # the limit the ledger last showed says no: do not ask
+            # The limit the ledger last showed says no: ask nothing (a limit raised since is
+            # read by ``sync_limit`` within LIMIT_CHECK_INTERVAL_S).
+            self._credit_retry_at = now + CREDIT_RETRY_S
             return
         granted = self._settle(credit, ask)
         self._short = granted < want
