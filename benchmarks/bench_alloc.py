@@ -17,8 +17,9 @@ step's frees to the allocator in one call (``update_from_output`` is a free batc
 workload runs both ways on our side; vLLM's side is always one call per request.
 
 Block pool: the same scheduler step through the scheduler-side block pools, driven the way
-``KVCacheManager.allocate_slots`` drives them (the elastic pool's admission window, expected
-count, admission headroom and per-step limit check included): ``ElasticBlockPool`` against
+``KVCacheManager.allocate_slots`` drives them (the elastic pool's per-step hooks included:
+the limit check, the credit, the admission headroom, the step's page operations, the free
+batch): ``ElasticBlockPool`` against
 vLLM's ``BlockPool``. Our pool does vLLM's bookkeeping plus the allocator's, so this ratio is
 the cost of elasticity per step, not a race.
 

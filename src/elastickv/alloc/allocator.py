@@ -358,6 +358,8 @@ class BlockAllocator:
         if warm >= cap or not self._cold_free:
             return min(warm, cap)
         pages = nbytes // self._page_bytes
+        if pages >= self._touched_pages - self._num_committed:
+            return min(warm + self._cold_free, cap)  # every page a block touches fits
         total = warm
         free = self._free
         for missing, bucket in enumerate(self._cold):
