@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import elastickv
@@ -291,3 +292,62 @@ def test_models_added_and_removed_at_run_time(tmp_path: Path, temp_dir: Path) ->
     assert "elastickv serve: stopped: 0 engines, nothing left; engine logs kept in" in lines[-1]
     assert lines[-1].endswith("(b failed to start)"), lines[-1]
     assert all(KEY not in line for line in lines)
+
+
+def wait_gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+PARENT = """
+import subprocess, sys, time
+log = open(sys.argv[1], "w")
+argv = [sys.executable, "-m", "elastickv.cli.main", "serve", *sys.argv[2:]]
+proc = subprocess.Popen([*argv, "--exit-with-parent", str(__import__("os").getpid())],
+                        stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+print(proc.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_serve_started_with_exit_with_parent_stops_when_its_parent_dies(
+    tmp_path: Path, temp_dir: Path
+) -> None:
+    """``--exit-with-parent PID`` (how a cluster replica starts its serve, without running
+    Python between fork and exec): when that parent is killed with -9, serve gets SIGTERM,
+    stops its engines and exits; nothing is left. A parent already gone: serve ends at once."""
+    env = environment(temp_dir, tmp_path / "ledger")
+    log = tmp_path / "serve.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(log), "--config", str(config(tmp_path, free_port()))],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    serve_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while "serving a, b at" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while not any(line.endswith("nothing left") for line in log.read_text().splitlines()):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    assert log.read_text().splitlines()[-1].endswith("stopped: 2 engines, nothing left")
+    assert wait_gone(serve_pid)
+    gone = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", "--check", "--exit-with-parent",
+         "1"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert gone.returncode == -signal.SIGTERM  # its parent is not pid 1: it ended at once
