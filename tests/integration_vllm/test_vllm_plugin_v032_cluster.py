@@ -318,7 +318,8 @@ def run(cache_root: Path) -> Iterator[dict[str, Any]]:
             texts[:] = [scrape(p) for p in ports]
             return dict(requests_by_replica(texts)) == expected
 
-        result["metrics_wait_s"] = wait_until(counted, timeout=120, interval=1.0)
+        counted_s = wait_until(counted, timeout=120, interval=1.0)
+        result["metrics_wait_s"] = None if counted_s is None else round(counted_s, 1)
         result["metrics_expected"] = expected
         result["metrics_counted"] = dict(requests_by_replica(texts))
         result["metrics_texts"] = list(texts)
@@ -347,9 +348,8 @@ def run(cache_root: Path) -> Iterator[dict[str, Any]]:
         for thread, _ in held_calls:
             thread.join(timeout=300)
         result["held_replies"] = [out[0] if out else None for _, out in held_calls]
-        result["node_side_gone_s"] = wait_until(
-            lambda: not [p for p in node_side if alive(p)], timeout=120
-        )
+        gone_s = wait_until(lambda: not [p for p in node_side if alive(p)], timeout=120)
+        result["node_side_gone_s"] = None if gone_s is None else round(gone_s, 2)
         result["node_side_left"] = [p for p in node_side if alive(p)]
         result["worker_ledger_left"] = ledger_names(ledgers["worker"])
         # b again, through the ingress, until it answers from the other replica.
@@ -416,8 +416,9 @@ def run(cache_root: Path) -> Iterator[dict[str, Any]]:
         print(
             f"\n[elastickv cluster] native {result['native_s']} s, deployed at "
             f"{result['deployed_s']} s, first loads {loads} s, failover {result['failover_s']} "
-            f"s, replica back in {result['replica_back_total_s']} s, whole run "
-            f"{result['wall_s']} s"
+            f"s, the removed node's processes gone in {result['node_side_gone_s']} s, replica "
+            f"back in {result['replica_back_total_s']} s, metrics counted in "
+            f"{result['metrics_wait_s']} s, whole run {result['wall_s']} s"
         )
         yield result
     finally:

@@ -107,7 +107,8 @@ class ClusterIngress:
             return error(502, f"the replica of model {name!r} answered nothing", "replica_failed")
         except RayError as exc:
             return self._replica_failed(model.name, exc)
-        headers = {k: v for k, v in head["headers"]}
+        # The serve router's own date and server headers: the proxy sets its own.
+        headers = {k: v for k, v in head["headers"] if k.lower() not in ("date", "server")}
         headers[REPLICA_HEADER], headers[NODE_HEADER] = head["replica"], head["node"]
         media = headers.pop("Content-Type", headers.pop("content-type", "application/json"))
         if media.startswith("text/event-stream"):

@@ -137,6 +137,12 @@ class DeviceReplica:
             yield error_body(401, "missing or wrong API key", "invalid_request_error")
             return
         name = serve.get_multiplexed_model_id()
+        if not name:  # a direct caller that named no model
+            yield self._head(400)
+            yield error_body(
+                400, "no model: call with multiplexed_model_id", "invalid_request_error"
+            )
+            return
         began = time.monotonic()
         status = 502
         try:
