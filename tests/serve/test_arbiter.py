@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from elastickv.control import open_ledger
-from elastickv.serve.arbiter import Activity, Demand, LimitWriter, plan_limits
+from elastickv.serve.arbiter import (
+    Activity,
+    Demand,
+    LimitWriter,
+    MemoryArbiter,
+    ModelView,
+    plan_limits,
+)
 
 MiB = 1 << 20
 PAGE = 64 << 10
@@ -179,3 +186,52 @@ def test_writer_never_sets_a_limit_below_an_engines_floor() -> None:
         assert change is not None and change.new == 2 * MiB
         assert writer.records()["a"].limit_desired == 2 * MiB
         engine.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios(), st.integers(1, 64))
+def test_a_newcomer_that_does_not_fit_squeezes_the_idle_models(
+    case: tuple[list[Demand], int, int], newcomer_pages: int
+) -> None:
+    """A model added at run time reserves its min_kv before its engine starts; when what the
+    others hold leaves no room for it, every idle model is cut to its min_kv (what it holds
+    beyond is cache it gives back), so that the room comes."""
+    demands, budget, step = case
+    newcomer = Demand("new", newcomer_pages * PAGE, newcomer_pages * PAGE, 0, Activity.DOWN)
+    everyone = [*demands, newcomer]
+    targets = plan_limits(everyone, budget, step)
+    if sum(max(d.min_kv, d.used) for d in everyone) <= budget:
+        return  # it fits: nothing to squeeze for it
+    for d in demands:
+        if d.activity is Activity.IDLE:
+            assert targets[d.name] == d.min_kv
+    assert "new" not in targets  # no engine yet: only its min_kv is reserved
+
+
+def test_a_model_added_and_removed_at_run_time() -> None:
+    """The arbiter reserves a newcomer's min_kv at once: the room left goes negative while an
+    idle model holds more than the rest leaves; its limit is cut to its min_kv at the next look,
+    and once it has given the bytes back the newcomer fits. Removed, its reservation
+    returns."""
+    with open_ledger("host", total_bytes=1 << 40, utilization=1.0) as ledger:
+        idle = ledger.register("a", limit=12 * MiB)
+        assert idle.try_admit(10 * MiB)
+        views = [ModelView("a", 4 * MiB, 12 * MiB, 0, Activity.IDLE, 0)]
+        arbiter = MemoryArbiter(ledger, 16 * MiB, views, lambda: views, PAGE)
+        arbiter.look()
+        assert arbiter.writer.records()["a"].limit_desired == 10 * MiB  # held to what it uses
+        assert arbiter.room_left() == 16 * MiB - 10 * MiB
+        views.append(ModelView("b", 8 * MiB, 8 * MiB, 0, Activity.DOWN, 0))
+        arbiter.add(views[-1], PAGE)
+        assert arbiter.room_left() == 16 * MiB - 10 * MiB - 8 * MiB  # short of 2 MiB
+        arbiter.look()
+        assert arbiter.writer.records()["a"].limit_desired == 4 * MiB  # squeezed
+        assert arbiter.room_left() == 16 * MiB - 10 * MiB - 8 * MiB  # a still holds 10 MiB
+        idle.release(6 * MiB)  # the engine drops its cache under the new limit
+        assert arbiter.room_left() == 16 * MiB - 4 * MiB - 8 * MiB
+        views.pop()
+        arbiter.remove("b")
+        assert arbiter.room_left() == 16 * MiB - 4 * MiB
+        assert "b" not in arbiter.step and "b" not in arbiter.raises
+        idle.release(idle.committed_bytes)
+        idle.close()

@@ -54,6 +54,9 @@ def described(config: ServeConfig, model: ModelConfig) -> dict[str, str]:
         "[router] port": str(config.port),
         "[router] queue_limit": str(config.queue_limit),
         "[router] wake_timeout": duration(config.wake_timeout_s),
+        "[router] api_key_file": "none" if config.api_key is None else config.api_key.source,
+        "[router] allow_unauthenticated": str(config.allow_unauthenticated).lower(),
+        "[router] models_api": str(config.models_api).lower(),
         "[device] budget": size(config.budget),
         "[device] page_size": size(config.page_size),
         "[device] mode": config.mode,
@@ -108,6 +111,6 @@ def test_the_flags_column_names_real_flags() -> None:
         capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     flags = [flag.strip("`") for flag, _, _ in table().values() if flag != "–"]
-    assert len(flags) == 8
+    assert len(flags) == 11
     for flag in flags:
         assert re.search(rf"^\s+{re.escape(flag)}\b", serve_help, re.MULTILINE), flag

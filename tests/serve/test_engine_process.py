@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -208,3 +209,28 @@ def test_private_shared_memory_names() -> None:
         assert PRIVATE_SHM_NAME.fullmatch(name), name
     for name in ("elastickv-ledger-host", "psm_", "nixl_agent", "vllm_dist_9c17", "torch_123"):
         assert not PRIVATE_SHM_NAME.fullmatch(name), name
+
+
+def test_a_stopped_engine_acts_on_its_sigterm(tmp_path: Path) -> None:
+    """An engine stopped with SIGSTOP (a debugger, an operator, a test) is woken with its
+    SIGTERM: it shuts down by its own handler, as vLLM's server does (exit status 0), instead
+    of staying stopped until the SIGKILL that follows a stop's timeout."""
+    program = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: os._exit(0))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(3600)\n"
+    )
+    log = tmp_path / "logs" / "m.log"
+    argv = (sys.executable, "-c", program)
+
+    async def scenario() -> None:
+        engine = await EngineProcess.start(EngineLaunch("m", argv, dict(os.environ), 1, log))
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            await asyncio.sleep(0.05)  # its handler is installed
+        os.kill(engine.pid, signal.SIGSTOP)
+        await engine.stop(timeout=20)
+        assert engine.proc.returncode == 0  # its handler ran; not -SIGKILL
+        assert not engine.processes()
+
+    asyncio.run(scenario())

@@ -16,12 +16,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from elastickv.serve.auth import ApiKey
 from elastickv.serve.config import ModelConfig
 from elastickv.serve.engine import EngineLaunch
 from elastickv.serve.metrics import ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
 from elastickv.serve.pd import PREFILL_TRANSFER_PARAMS, PDPair
-from elastickv.serve.router import Router, upstream_session
+from elastickv.serve.router import ModelsApi, ModelsApiError, Router, upstream_session
 
 
 class FakeEngine:
@@ -115,7 +116,12 @@ def served(
     return model
 
 
-def run(test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[None]]) -> None:
+def run(
+    test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[None]],
+    *,
+    api_key: ApiKey | None = None,
+    models_api: ModelsApi | None = None,
+) -> None:
     async def main() -> None:
         events: dict[str, Any] = {}
         async with site(upstream_app(events)) as upstream, upstream_session() as session:
@@ -130,7 +136,10 @@ def run(test: Callable[[str, dict[str, Any], dict[str, ServedModel]], Awaitable[
                 )
             pairs = {"pd": PDPair("pd", models["pd/prefill"], models["pd/decode"])}
             metrics = ServeMetrics(lambda: (0, []))
-            router = Router(models, metrics, session, lambda: {"models": []}, pairs)
+            router = Router(
+                models, metrics, session, lambda: {"models": []}, pairs, api_key=api_key,
+                models_api=models_api,
+            )  # fmt: skip
             async with site(router.app()) as port:
                 await test(f"http://127.0.0.1:{port}", events, models)
 
@@ -373,3 +382,93 @@ def test_an_idle_connection_is_not_reused_past_the_keep_alive() -> None:
         assert seen == [1, 1, 1]
 
     asyncio.run(main())
+
+
+KEY = ApiKey("test", "s3cret-" + "k" * 25)
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("GET", "/health", None),
+    ("GET", "/metrics", None),
+    ("POST", "/v1/completions", {"model": "alpha", "prompt": "x"}),
+    ("POST", "/v1/chat/completions", {"model": "alpha", "messages": []}),
+    ("POST", "/admin/models", {"name": "new", "model": "tiny-llama"}),
+    ("DELETE", "/admin/models/alpha", None),
+]
+
+
+def test_with_a_key_every_route_needs_it() -> None:
+    """401 in OpenAI's format without the key and with a wrong one, on every route (the
+    models API's too); with it, the route answers; refusals are counted, the key is in no
+    answer."""
+    calls: list[Any] = []
+
+    async def add(raw: Any) -> dict[str, Any]:
+        calls.append(raw)
+        return {"name": raw["name"]}
+
+    async def remove(name: str, drain_s: float) -> dict[str, Any]:
+        calls.append((name, drain_s))
+        raise ModelsApiError(404, f"no model named {name!r}")
+
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        wrong = ApiKey("test", "s3cret-" + "k" * 24 + "j")
+        async with aiohttp.ClientSession() as client:
+            for headers in ({}, wrong.header(), {"Authorization": KEY.secret}):
+                for method, path, body in ROUTES:
+                    async with client.request(method, base + path, json=body,
+                                              headers=headers) as r:  # fmt: skip
+                        assert r.status == 401, (method, path, headers)
+                        assert r.headers["WWW-Authenticate"] == "Bearer"
+                        error = (await r.json())["error"]
+                        assert error["code"] == 401 and "Authorization: Bearer" in error["message"]
+            assert calls == [] and events.get("bodies") is None  # nothing got through
+            answers = []
+            for method, path, body in ROUTES:
+                async with client.request(method, base + path, json=body,
+                                          headers=KEY.header()) as r:  # fmt: skip
+                    answers.append((path, r.status))
+                    assert KEY.secret not in await r.text()
+            assert answers == [
+                ("/v1/models", 200), ("/health", 200), ("/metrics", 200),
+                ("/v1/completions", 200), ("/v1/chat/completions", 200),
+                ("/admin/models", 200), ("/admin/models/alpha", 404),
+            ]  # fmt: skip
+            async with client.get(base + "/metrics", headers=KEY.header()) as r:
+                assert "elastickv_router_unauthorized_total 21.0" in await r.text()
+        assert calls == [{"name": "new", "model": "tiny-llama"}, ("alpha", 60.0)]
+
+    run(check, api_key=KEY, models_api=ModelsApi(add, remove))
+
+
+def test_the_models_api_answers_its_errors_in_openai_format() -> None:
+    async def add(raw: Any) -> dict[str, Any]:
+        raise ModelsApiError(409, "a model named 'alpha' is served already")
+
+    async def remove(name: str, drain_s: float) -> dict[str, Any]:
+        return {"removed": name, "drain": drain_s}
+
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        async with aiohttp.ClientSession(headers=KEY.header()) as client:
+            async with client.post(base + "/admin/models", json={"name": "alpha"}) as r:
+                error = (await r.json())["error"]
+                assert r.status == 409 and error["type"] == "conflict"
+                assert error["message"] == "a model named 'alpha' is served already"
+            async with client.post(base + "/admin/models", data=b"{") as r:
+                assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+            async with client.delete(base + "/admin/models/a/b?drain=2.5") as r:
+                assert (await r.json()) == {"removed": "a/b", "drain": 2.5}
+            async with client.delete(base + "/admin/models/x?drain=-1") as r:
+                assert r.status == 400 and (await r.json())["error"]["param"] == "drain"
+
+    run(check, api_key=KEY, models_api=ModelsApi(add, remove))
+
+
+def test_without_a_models_api_its_routes_do_not_exist() -> None:
+    async def check(base: str, events: dict[str, Any], models: dict[str, ServedModel]) -> None:
+        async with aiohttp.ClientSession() as client:
+            async with client.post(base + "/admin/models", json={"name": "x"}) as r:
+                assert r.status == 404
+            async with client.delete(base + "/admin/models/alpha") as r:
+                assert r.status == 404
+
+    run(check)

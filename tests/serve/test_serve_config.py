@@ -400,3 +400,66 @@ def test_settings_serve_ignores_are_named_with_the_one_meant() -> None:
         "ELASTICKV_BUDGET from" in line and "from the configuration" in line for line in lines
     )
     assert "Traceback" not in proc.stderr
+
+
+KEY = "s3cret-" + "k" * 25
+
+
+def test_a_router_beyond_loopback_needs_a_key_or_an_explicit_choice(tmp_path: Path) -> None:
+    exposed = {**mapping(model()), "router": {"host": "0.0.0.0"}}
+    with pytest.raises(ServeConfigError) as refused:
+        config_from_mapping(exposed, source="t")
+    message = str(refused.value)
+    assert "[router] host = '0.0.0.0' exposes the models" in message
+    assert "api_key_file" in message and "allow_unauthenticated = true" in message
+    allowed = {**mapping(model()), "router": {"host": "0.0.0.0", "allow_unauthenticated": True}}
+    assert config_from_mapping(allowed, source="t").api_key is None
+    keyed = config_from_mapping(exposed, source="t", environ={"ELASTICKV_API_KEY": KEY})
+    assert keyed.api_key is not None and keyed.api_key.source == "ELASTICKV_API_KEY"
+    (tmp_path / "key").write_text(KEY + "\n")
+    with_file = {
+        **mapping(model()),
+        "router": {"host": "::", "api_key_file": str(tmp_path / "key")},
+    }
+    config = config_from_mapping(with_file, source="t", environ={"ELASTICKV_API_KEY": "x" * 20})
+    assert config.api_key is not None and config.api_key.secret == KEY  # the file wins
+    assert KEY not in repr(config)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        loopback = {**mapping(model()), "router": {"host": host}}
+        assert config_from_mapping(loopback, source="t").api_key is None
+    with pytest.raises(ServeConfigError, match="use true or false"):
+        config_from_mapping({**mapping(model()), "router": {"models_api": "yes"}}, source="t")
+
+
+def test_the_models_api_needs_a_key_and_may_start_with_no_model() -> None:
+    empty = {"device": {"budget": "64M"}, "router": {"models_api": True}}
+    with pytest.raises(ServeConfigError, match="models_api = true lets whoever calls it start"):
+        config_from_mapping(empty, source="t")
+    config = config_from_mapping(empty, source="t", environ={"ELASTICKV_API_KEY": KEY})
+    assert config.models == () and config.models_api
+    with pytest.raises(ServeConfigError, match="no \\[\\[model\\]\\] tables"):
+        config_from_mapping({"device": {"budget": "64M"}}, source="t")
+    flags = config_from_flags(
+        [], min_kv=None, max_kv=None, environ={"ELASTICKV_API_KEY": KEY}, models_api=True,
+        budget=8 << 20,
+    )  # fmt: skip
+    assert flags.models == () and flags.api_key is not None
+    with pytest.raises(ServeConfigError, match="--budget is required with --models-api"):
+        config_from_flags([], min_kv=None, max_kv=None, models_api=True)
+
+
+def test_cli_key_flags_check_and_never_print_the_key(tmp_path: Path) -> None:
+    proc = run_cli("--check", "--host", "0.0.0.0")
+    assert proc.returncode == 2 and "exposes the models to everyone" in proc.stderr
+    proc = run_cli("--check", "--host", "0.0.0.0", "--allow-unauthenticated")
+    assert proc.returncode == 0 and "no API key: anyone who reaches" in proc.stdout
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY)
+    proc = run_cli("--check", "--host", "0.0.0.0", "--api-key-file", str(key_file))
+    assert proc.returncode == 0, proc.stderr
+    assert f"API key required on every route (from --api-key-file {key_file})" in proc.stdout
+    assert KEY not in proc.stdout + proc.stderr
+    proc = run_cli("--check", "--api-key-file", str(tmp_path / "nope"))
+    assert (
+        proc.returncode == 2 and "--api-key-file" in proc.stderr and "no such file" in proc.stderr
+    )

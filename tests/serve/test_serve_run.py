@@ -17,11 +17,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import elastickv
@@ -192,3 +195,159 @@ def test_an_engine_that_cannot_start_keeps_its_log(tmp_path: Path, temp_dir: Pat
     assert named is not None, proc.stderr
     assert "failing on purpose" in Path(named.group(1)).read_text()
     assert "stopped: 1 engine, nothing left" in proc.stderr  # a, which had started
+
+
+KEY = "s3cret-" + "k" * 25
+
+
+def call(
+    port: int, method: str, path: str, body: Any = None, key: str | None = KEY
+) -> tuple[int, Any]:
+    """An HTTP call to serve: (status, JSON answer)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data, headers=headers, method=method
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_models_added_and_removed_at_run_time(tmp_path: Path, temp_dir: Path) -> None:
+    """``--models-api`` with no model at start: a model added answers once its engine is
+    healthy and is served; a bad one is refused before anything starts, one that cannot
+    start leaves nothing; a removal waits for the model's request in flight, then stops its
+    engine and forgets it. The key is never in the log."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    env = {**environment(temp_dir, tmp_path / "ledger"), "ELASTICKV_API_KEY": KEY}
+    port = free_port()
+    serve = Serve(
+        ["--models-api", "--budget", "8M", "--page-size", "64K", "--port", str(port),
+         "--python", sys.executable],
+        env,
+    )  # fmt: skip
+    table = {"name": "a", "model": str(model_dir), "min_kv": "1M", "release_after": "never"}
+    try:
+        serve.wait_for("serving no models yet at")
+        assert call(port, "POST", "/admin/models", table, key=None)[0] == 401
+        assert call(port, "POST", "/admin/models", table, key=KEY + "x")[0] == 401
+        status, added = call(port, "POST", "/admin/models", table)
+        assert status == 200 and added["model"]["state"] == "idle", added
+        assert added["model"]["engine_pid"] > 0
+        assert call(port, "POST", "/v1/completions", {"model": "a", "prompt": "x"})[0] == 200
+        assert elastickv_list(env)["a"]["record"] is not None
+        # Refused before anything starts, each with its reason.
+        status, answer = call(port, "POST", "/admin/models", table)
+        assert status == 409 and "served already" in answer["error"]["message"]
+        status, answer = call(port, "POST", "/admin/models", {**table, "name": "b", "min_kv": "3X"})
+        assert status == 400 and "min_kv = '3X': not a size" in answer["error"]["message"]
+        status, answer = call(port, "POST", "/admin/models", {**table, "name": "b", "min_kv": "8M"})
+        assert status == 409 and "cannot guarantee the models' min_kv" in answer["error"]["message"]
+        status, answer = call(port, "POST", "/admin/models", {**table, "name": "b", "pd": True})
+        assert status == 400 and "pd models" in answer["error"]["message"]
+        # An engine that cannot start: a 502 naming its log, nothing of it left.
+        failing = {**table, "name": "b", "env": {"STANDIN_EXIT": "1"}}
+        status, answer = call(port, "POST", "/admin/models", failing)
+        assert status == 502 and "b.log" in answer["error"]["message"], answer
+        assert [m["id"] for m in call(port, "GET", "/v1/models")[1]["data"]] == ["a"]
+        assert "b" not in elastickv_list(env)
+        # A removal waits for the request in flight: new requests are refused at once (404),
+        # the held one is answered once the gate opens, then the engine stops.
+        replies: queue.Queue[tuple[int, Any]] = queue.Queue()
+        hold = {"model": "a", "prompt": "hold"}
+        threading.Thread(
+            target=lambda: replies.put(call(port, "POST", "/v1/completions", hold)), daemon=True
+        ).start()
+        serve.wait_for("a: idle -> serving")
+        removals: queue.Queue[tuple[int, Any]] = queue.Queue()
+        threading.Thread(
+            target=lambda: removals.put(call(port, "DELETE", "/admin/models/a?drain=60")),
+            daemon=True,
+        ).start()
+        while call(port, "POST", "/v1/completions", {"model": "a", "prompt": "x"})[0] != 404:
+            time.sleep(0.05)  # until the removal has begun: a is no longer routed
+        assert removals.empty()  # still draining: the held request is in flight
+        (temp_dir / "gate").touch()
+        assert replies.get(timeout=60)[0] == 200
+        status, removed = removals.get(timeout=60)
+        assert status == 200 and removed["requests_cut_short"] == 0
+        assert removed["engine_pid"] == added["model"]["engine_pid"]
+        assert call(port, "GET", "/v1/models")[1]["data"] == []
+        assert elastickv_list(env) == {}
+        assert call(port, "DELETE", "/admin/models/a")[0] == 404
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serve.proc.pid, signal.SIGTERM)
+    lines = serve.rest()
+    assert serve.proc.returncode == 0, "\n".join(lines)
+    assert any(line.endswith("a: removed") for line in lines)
+    # b's log is kept: it failed to start.
+    assert "elastickv serve: stopped: 0 engines, nothing left; engine logs kept in" in lines[-1]
+    assert lines[-1].endswith("(b failed to start)"), lines[-1]
+    assert all(KEY not in line for line in lines)
+
+
+def wait_gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+PARENT = """
+import subprocess, sys, time
+log = open(sys.argv[1], "w")
+argv = [sys.executable, "-m", "elastickv.cli.main", "serve", *sys.argv[2:]]
+proc = subprocess.Popen([*argv, "--exit-with-parent", str(__import__("os").getpid())],
+                        stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+print(proc.pid, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_serve_started_with_exit_with_parent_stops_when_its_parent_dies(
+    tmp_path: Path, temp_dir: Path
+) -> None:
+    """``--exit-with-parent PID`` (how a cluster replica starts its serve, without running
+    Python between fork and exec): when that parent is killed with -9, serve gets SIGTERM,
+    stops its engines and exits; nothing is left. A parent already gone: serve ends at once."""
+    env = environment(temp_dir, tmp_path / "ledger")
+    log = tmp_path / "serve.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(log), "--config", str(config(tmp_path, free_port()))],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    serve_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 120
+        while "serving a, b at" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 60
+    while not any(line.endswith("nothing left") for line in log.read_text().splitlines()):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    assert log.read_text().splitlines()[-1].endswith("stopped: 2 engines, nothing left")
+    assert wait_gone(serve_pid)
+    gone = subprocess.run(
+        [sys.executable, "-m", "elastickv.cli.main", "serve", "--check", "--exit-with-parent",
+         "1"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert gone.returncode == -signal.SIGTERM  # its parent is not pid 1: it ended at once

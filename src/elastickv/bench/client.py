@@ -109,13 +109,20 @@ async def _one(
 
 
 async def run_schedule(
-    base: str, arrivals: Sequence[Arrival], timeout: float = 900
+    base: str,
+    arrivals: Sequence[Arrival],
+    timeout: float = 900,
+    *,
+    headers: Mapping[str, str] | None = None,
 ) -> list[Result]:
-    """Send every arrival at its time (open loop: late answers never delay later sends)."""
+    """Send every arrival at its time (open loop: late answers never delay later sends);
+    ``headers`` go with every request (an endpoint's API key)."""
     start = time.monotonic()
     connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEP_ALIVE_S)
     timeouts = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeouts) as session:
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeouts, headers=headers
+    ) as session:
 
         async def fire(arrival: Arrival) -> Result:
             await asyncio.sleep(max(0.0, start + arrival.at - time.monotonic()))

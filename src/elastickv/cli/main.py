@@ -18,6 +18,10 @@ from elastickv.cli.errors import UserError
 # command -> (module that registers it, one-line help for the top-level listing)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("elastickv.cli.serve", "serve several models on one device behind one endpoint"),
+    "cluster": (
+        "elastickv.cli.cluster",
+        "serve models over the devices of a Ray cluster behind one endpoint",
+    ),
     "layout": ("elastickv.cli.layout", "inspect KV-cache layouts"),
     "models": ("elastickv.cli.models", "the built-in tiny models: shapes, paths, vLLM arguments"),
     "demo": ("elastickv.cli.demo", "serve the built-in models under a bursty load, live"),

@@ -40,6 +40,31 @@ def register(commands: Any) -> None:
     )
     p.add_argument("--host", help="router address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="router port (default 8080)")
+    p.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        help="require this API key (the file's content) on every route, as 'Authorization: "
+        "Bearer <key>'; or set ELASTICKV_API_KEY. Required with a --host beyond loopback",
+    )
+    p.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="listen beyond loopback without an API key (anyone who reaches it may use it)",
+    )
+    p.add_argument(
+        "--models-api",
+        action="store_true",
+        default=None,
+        help="add and remove models at run time (POST /admin/models, DELETE "
+        "/admin/models/NAME; needs an API key); without --config or --model: no models at start",
+    )
+    p.add_argument(
+        "--exit-with-parent",
+        type=int,
+        metavar="PID",
+        help="stop (as on SIGTERM) when process PID, the one that started serve, ends",
+    )
     p.add_argument("--python", help="Python interpreter with vLLM and elastickv for the engines")
     p.add_argument("--log-dir", help="where engine logs go (default: a new temporary folder)")
     p.add_argument(
@@ -53,8 +78,11 @@ def register(commands: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
+    import os
+
     from elastickv.serve.config import (
         ServeConfigError,
+        api_key_value,
         config_from_flags,
         load_config,
         page_size_value,
@@ -62,11 +90,17 @@ def _config(args: argparse.Namespace) -> Any:
     )
 
     try:
+        key = None
+        if args.api_key_file is not None:
+            key = api_key_value(args.api_key_file, "--api-key-file", None)
         overrides: dict[str, Any] = {
             "host": args.host,
             "port": args.port,
             "python": args.python,
             "log_dir": args.log_dir,
+            "api_key": key,
+            "allow_unauthenticated": args.allow_unauthenticated,
+            "models_api": args.models_api,
             "budget": None if args.budget is None else size_value(args.budget, "--budget"),
             "page_size": (
                 None if args.page_size is None else page_size_value(args.page_size, "--page-size")
@@ -75,8 +109,10 @@ def _config(args: argparse.Namespace) -> Any:
         if args.config:
             if args.model or args.min_kv or args.max_kv:
                 raise UserError("--model, --min-kv and --max-kv cannot be combined with --config")
-            return load_config(args.config, **overrides)
-        return config_from_flags(args.model, min_kv=args.min_kv, max_kv=args.max_kv, **overrides)
+            return load_config(args.config, environ=os.environ, **overrides)
+        return config_from_flags(
+            args.model, min_kv=args.min_kv, max_kv=args.max_kv, environ=os.environ, **overrides
+        )
     except ServeConfigError as exc:
         raise UserError(str(exc)) from None
 
@@ -88,6 +124,12 @@ def _describe(config: Any) -> str:
         f"router http://{config.host}:{config.port}/v1, KV budget {format_bytes(config.budget)}, "
         f"page {format_bytes(config.page_size)} ({config.source})"
     ]
+    if config.api_key is not None:
+        lines.append(f"  API key required on every route (from {config.api_key.source})")
+    elif config.allow_unauthenticated:
+        lines.append("  no API key: anyone who reaches the router may use it")
+    if config.models_api:
+        lines.append("  models API: POST /admin/models, DELETE /admin/models/NAME")
     for m in config.models:
         stop = "never" if m.pinned or m.stop_after_s is None else f"{m.stop_after_s:g}s"
         release = "never" if m.release_after_s is None else f"{m.release_after_s:g}s"
@@ -121,6 +163,10 @@ def _warn_ignored_settings() -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    if args.exit_with_parent is not None:
+        from elastickv.serve.engine import exit_with_parent
+
+        exit_with_parent(args.exit_with_parent)
     config = _config(args)
     _warn_ignored_settings()
     if args.check:

@@ -3,6 +3,8 @@
 Order matters for "a clear error, nothing left running": everything that can be checked is
 checked before the first process starts (configuration, the engine Python, model paths, the
 ledger, the router's port — bound first), and any failure after that stops what did start.
+A model added at run time (the models API) goes through the same checks before its engine
+starts, and a start that fails leaves nothing of it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +30,22 @@ from elastickv.control.ledger import host_total_bytes
 from elastickv.control.paths import HOST_DEVICE, ledger_directory, ledger_path
 from elastickv.ports import free_port
 from elastickv.serve.arbiter import Activity, MemoryArbiter, ModelView
-from elastickv.serve.config import ModelConfig, ServeConfig
+from elastickv.serve.config import (
+    MIN_KV_UNSET,
+    ModelConfig,
+    ServeConfig,
+    ServeConfigError,
+    check_model,
+    default_min_kv,
+    model_from_mapping,
+)
 from elastickv.serve.engine import EngineStartError, build_launch, log_path, session_processes
 from elastickv.serve.leftovers import remove_stale_rpc_dirs
 from elastickv.serve.metrics import ModelReading, ServeMetrics
 from elastickv.serve.model import ModelHooks, ModelState, ServedModel
 from elastickv.serve.pd import PDPair
 from elastickv.serve.python_env import EnginePythonError, find_engine_python
-from elastickv.serve.router import Router, upstream_session
+from elastickv.serve.router import ModelsApi, ModelsApiError, Router, upstream_session
 from elastickv.serve.state_file import remove_state, write_state
 from elastickv.units import format_bytes
 
@@ -74,6 +85,8 @@ class ServeApp:
         self.metrics = ServeMetrics(self._readings)
         self.url = f"http://{config.host}:{config.port}"
         self._runner: web.AppRunner | None = None
+        self._router: Router | None = None
+        self._models_lock = asyncio.Lock()  # one model added or removed at a time
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self._booted = False
@@ -209,9 +222,11 @@ class ServeApp:
                 model.last_active = time.monotonic()
             logger.info(
                 "serving %s at %s/v1 (KV budget %s)",
-                ", ".join(self.config.served_names()), self.url,
+                ", ".join(self.config.served_names()) or "no models yet", self.url,
                 format_bytes(self.config.budget),
             )  # fmt: skip
+            if self.config.models_api:
+                logger.info("models API at %s/admin/models", self.url)
             await stop.wait()
         finally:
             await self.shutdown()
@@ -235,9 +250,9 @@ class ServeApp:
             raise ServeError(f"cannot start model {model.name!r}: {exc}") from None
         return True
 
-    def _build_models(self) -> None:
+    def _hooks(self) -> ModelHooks:
         assert self._session is not None
-        hooks = ModelHooks(
+        return ModelHooks(
             launch=self._launch,
             session=self._session,
             changed=self._changed,
@@ -246,6 +261,9 @@ class ServeApp:
             engine_ready=self._engine_ready,
             woke=lambda name, tier, s: self.metrics.wake.labels(name, tier).observe(s),
         )
+
+    def _build_models(self) -> None:
+        hooks = self._hooks()
         for m in self.config.models:
             self.models[m.name] = ServedModel(
                 m, hooks, queue_limit=self.config.queue_limit,
@@ -263,7 +281,12 @@ class ServeApp:
             name: PDPair(name, self.models[prefill.name], self.models[decode.name])
             for name, (prefill, decode) in self.config.pairs().items()
         }
-        router = Router(self.models, self.metrics, self._session, self.describe, pairs)
+        api = ModelsApi(self.add_model, self.remove_model) if self.config.models_api else None
+        router = Router(
+            self.models, self.metrics, self._session, self.describe, pairs,
+            api_key=self.config.api_key, models_api=api,
+        )  # fmt: skip
+        self._router = router
         self._runner = web.AppRunner(router.app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
@@ -325,7 +348,7 @@ class ServeApp:
             if self.ledger is not None:
                 self.ledger.close()
                 self.ledger = None
-            if self.models:
+            if self.models or self.config.models_api:
                 self._report_stopped(len(stopped), left)
 
     def _left_behind(self, engines: list[tuple[str, int]]) -> list[str]:
@@ -363,6 +386,143 @@ class ServeApp:
     def kill(self) -> None:
         for model in self.models.values():
             model.kill()
+
+    # -- the models API -------------------------------------------------------------------------
+
+    async def add_model(self, raw: object) -> dict[str, object]:
+        """Add a model (a ``[[model]]`` table) and start its engine; its description once it
+        is healthy. Raises ModelsApiError: 400 for a bad field, 409 for a name in use or a
+        ``min_kv`` the budget cannot guarantee, 503 when the models' holdings leave no room
+        for its ``min_kv`` within ``wake_timeout``, 502 when its engine fails to start (the
+        error names its log)."""
+        async with self._models_lock:
+            model, config = self._admissible(raw)
+            python, path = await self._locate(model, config)
+            served = ServedModel(
+                model, self._hooks(), queue_limit=config.queue_limit,
+                wake_timeout_s=config.wake_timeout_s,
+            )  # fmt: skip
+            assert self.arbiter is not None
+            self.config = config
+            self.pythons[model.name], self.paths[model.name] = python, path
+            self.models[model.name] = served
+            self.arbiter.add(self._views()[-1], config.page_size)
+            logger.info("%s: added (min_kv %s)", model.name, format_bytes(model.min_kv))
+            try:
+                await self._wait_for_room(model)
+                await served.boot()
+            except BaseException as exc:
+                await self._forget(served)
+                if isinstance(exc, EngineStartError):
+                    self._start_failed = model.name  # its log is kept: the error names it
+                    raise ModelsApiError(502, f"cannot start model {model.name!r}: {exc}") from None
+                raise
+            served.last_active = time.monotonic()
+            assert self._router is not None
+            self._router.add(served)
+            self._publish()
+            return next(m for m in self.describe()["models"] if m["name"] == model.name)
+
+    def _admissible(self, raw: object) -> tuple[ModelConfig, ServeConfig]:
+        """The model and the configuration with it, or ModelsApiError (nothing changed)."""
+        config = self.config
+        try:
+            model = model_from_mapping(raw, where="the model")
+            if model.min_kv == MIN_KV_UNSET:
+                engines = len(config.models) + 1
+                floor = default_min_kv(config.budget, engines, config.page_size)
+                model = replace(model, min_kv=floor)
+            check_model(model, page_size=config.page_size, static=config.static)
+        except ServeConfigError as exc:
+            raise ModelsApiError(400, str(exc)) from None
+        if model.name in self.models or model.name in config.served_names():
+            raise ModelsApiError(409, f"a model named {model.name!r} is served already")
+        try:  # what is left to refuse is the budget: the models' min_kv together
+            config = replace(config, models=(*config.models, model))
+        except ServeConfigError as exc:
+            raise ModelsApiError(409, str(exc)) from None
+        return model, config
+
+    async def _locate(self, model: ModelConfig, config: ServeConfig) -> tuple[str, str]:
+        """The engine Python and the model's path (a built-in one is built), and no live
+        ledger instance under its name; ModelsApiError otherwise."""
+        try:
+            python = find_engine_python(model.python, config.python)
+        except EnginePythonError as exc:
+            raise ModelsApiError(400, str(exc)) from None
+        self.pythons[model.name] = python  # _model_path may need it to build a built-in model
+        try:
+            path = await asyncio.to_thread(self._model_path, model)
+        except ServeError as exc:
+            raise ModelsApiError(400, str(exc)) from None
+        finally:
+            del self.pythons[model.name]
+        if self.ledger is not None and not config.static:
+            live = {i.name: i.pid for i in self.ledger.list_instances()}
+            if model.name in live:
+                raise ModelsApiError(
+                    409,
+                    f"the ledger {self.ledger.path} already has a live instance named "
+                    f"{model.name!r} (pid {live[model.name]}); stop it or use another name",
+                )
+        return python, path
+
+    async def _wait_for_room(self, model: ModelConfig) -> None:
+        """Until the models' holdings leave this model its ``min_kv`` (the arbiter cuts idle
+        ones to theirs; busy ones drain as their requests end), at most ``wake_timeout``:
+        its engine starts only then, so the budget holds whatever the engines do."""
+        assert self.arbiter is not None
+        if self.config.static:
+            return
+        deadline = time.monotonic() + self.config.wake_timeout_s
+        while (short := -self.arbiter.room_left()) > 0:
+            if time.monotonic() > deadline:
+                raise ModelsApiError(
+                    503,
+                    f"no room for model {model.name!r}: the models hold "
+                    f"{format_bytes(short)} more than the budget leaves for its min_kv after "
+                    f"{self.config.wake_timeout_s:.0f} s; retry when they are idle",
+                )
+            self.arbiter.kick()
+            await asyncio.sleep(0.1)
+
+    async def remove_model(self, name: str, drain_s: float) -> dict[str, object]:
+        """Stop a model's engine and forget it: new requests get 404 at once, those in flight
+        get up to ``drain_s`` seconds to finish. ModelsApiError 404 for an unknown name."""
+        async with self._models_lock:
+            served = self.models.get(name)
+            if served is None or served.config.group is not None:
+                known = ", ".join(m for m in self.models if self.models[m].config.group is None)
+                raise ModelsApiError(
+                    404, f"no model named {name!r} is served here (served: {known or 'none'})"
+                )
+            assert self._router is not None
+            self._router.remove(name)
+            served.retire()
+            deadline = time.monotonic() + drain_s
+            while served.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            left = served.in_flight
+            pid = None if served.engine is None else served.engine.pid
+            await self._forget(served)
+            logger.info("%s: removed%s", name, f" ({left} requests cut short)" if left else "")
+            return {"removed": name, "engine_pid": pid, "requests_cut_short": left}
+
+    async def _forget(self, served: ServedModel) -> None:
+        """Stop a model's engine (if any) and drop every trace of it."""
+        await served.stop(final=True)
+        name = served.name
+        self.models.pop(name, None)
+        if self._router is not None:
+            self._router.remove(name)
+        self.config = replace(
+            self.config, models=tuple(m for m in self.config.models if m.name != name)
+        )
+        self.pythons.pop(name, None)
+        self.paths.pop(name, None)
+        if self.arbiter is not None:
+            self.arbiter.remove(name)
+        self._publish()
 
     # -- hooks the models call ------------------------------------------------------------------
 

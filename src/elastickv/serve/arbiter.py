@@ -75,13 +75,17 @@ def plan_limits(demands: Sequence[Demand], budget: int, step: int) -> dict[str, 
     Guarantees (property-tested): ``Σ max(target_i, min_kv_i, used_i) ≤ budget`` whenever
     ``Σ max(min_kv_i, used_i) ≤ budget``; each target is at most the model's cap (or what it
     already holds); a RELEASED model's target is its floor; an IDLE model's is what it holds
-    (at least ``min_kv``), or just its ``min_kv`` while an active model is pressured: what an
-    idle engine holds beyond that is prefix cache and hot pages, which it gives back at once
-    when its limit drops, and the next look hands that room to the burst (the bytes still
-    count as used until they are really released). Active models come first in the result,
+    (at least ``min_kv``), or just its ``min_kv`` while an active model is pressured or the
+    models' holdings leave no room for every ``min_kv``: what an idle engine holds beyond that
+    is prefix cache and hot pages, which it gives back at once when its limit drops, and the
+    next look hands that room to the burst or the newcomer (the bytes still count as used
+    until they are really released). Active models come first in the result,
     highest priority first: the order in which raises are applied."""
     base = {d.name: max(d.min_kv, d.used) for d in demands}
+    # A squeeze: a busy model is pressured, or what the models hold does not leave every
+    # model its min_kv (a model just added reserves its min_kv before its engine starts).
     squeeze = any(d.activity is Activity.ACTIVE and d.pressured for d in demands)
+    squeeze = squeeze or sum(base.values()) > budget
     targets: dict[str, int] = {}
     for d in demands:
         if d.activity is Activity.RELEASED:
@@ -330,6 +334,27 @@ class MemoryArbiter:
             else:
                 self.cuts[change.name] += 1
             logger.debug("serve: %s limit %s -> %d", change.name, change.old, change.new)
+
+    def add(self, view: ModelView, page_size: int) -> None:
+        """A model added at run time: its ``min_kv`` is reserved from now on (before its engine
+        starts); see :meth:`room_left`."""
+        self.writer.min_kv[view.name] = view.min_kv
+        self.step[view.name] = max(4 * page_size, view.cap // 8)
+        self.raises.setdefault(view.name, 0)
+        self.cuts.setdefault(view.name, 0)
+        self.kick()
+
+    def remove(self, name: str) -> None:
+        """A model removed at run time (its engine stopped): its reservation returns."""
+        for table in (self.writer.min_kv, self.step, self.raises, self.cuts, self._last_refusals):
+            table.pop(name, None)
+        self.records.pop(name, None)
+        self.kick()
+
+    def room_left(self) -> int:
+        """``B - Σ max(limit, used, min_kv)`` over the models now (negative: over-committed
+        until the engines drain to their new limits)."""
+        return self.budget - self.writer.held(self.writer.records())
 
     def set_limit(self, name: str, target: int) -> None:
         """One model's limit now (release to its floor, restore to ``min_kv``)."""

@@ -9,6 +9,9 @@ that names the field, the value and what is accepted.
     port = 8080
     queue_limit = 64              # requests waiting per model while it wakes
     wake_timeout = "5m"
+    api_key_file = "/etc/elastickv/api-key"   # or ELASTICKV_API_KEY; required off loopback
+    allow_unauthenticated = false # true: listen beyond loopback without a key
+    models_api = false            # true: models added and removed at run time (needs a key)
 
     [device]
     budget = "2G"                 # the KV bytes all models share (B)
@@ -53,6 +56,13 @@ from pathlib import Path
 from typing import Any
 
 from elastickv.integrations.vllm.transfer.nixl_progress import MAX_WAIT_MS
+from elastickv.serve.auth import (
+    ApiKey,
+    ApiKeyError,
+    is_loopback,
+    key_from_environment,
+    read_key_file,
+)
 from elastickv.units import format_bytes, parse_duration, parse_size
 
 DEFAULT_HOST = "127.0.0.1"
@@ -134,6 +144,9 @@ class ServeConfig:
     hot_max_pages: int = DEFAULT_HOT_MAX_PAGES
     mode: str = "elastic"  # or "static": native vLLM, a fixed budget/N each (a baseline)
     source: str = "built-in defaults"  # where it came from, for messages
+    api_key: ApiKey | None = None  # required by every route of the router when set
+    allow_unauthenticated: bool = False  # listen beyond loopback without a key
+    models_api: bool = False  # models added and removed at run time (/admin/models)
 
     @property
     def static(self) -> bool:
@@ -210,7 +223,15 @@ def builtin_config(**overrides: Any) -> ServeConfig:
 
 # -- reading ----------------------------------------------------------------------------------
 
-_ROUTER_KEYS = {"host", "port", "queue_limit", "wake_timeout"}
+_ROUTER_KEYS = {
+    "host",
+    "port",
+    "queue_limit",
+    "wake_timeout",
+    "api_key_file",
+    "allow_unauthenticated",
+    "models_api",
+}
 _DEVICE_KEYS = {"budget", "page_size", "hot_max_pages", "mode"}
 MODES = ("elastic", "static")
 _TOP_KEYS = {"router", "device", "model", "python", "log_dir"}
@@ -240,8 +261,11 @@ _SERVE_OWNED_ENV = (
 )
 
 
-def load_config(path: str | os.PathLike[str], **overrides: Any) -> ServeConfig:
-    """Read a TOML file; ``overrides`` (from flags; None = not given) win over it."""
+def load_config(
+    path: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None, **overrides: Any
+) -> ServeConfig:
+    """Read a TOML file; ``overrides`` (from flags; None = not given) win over it. ``environ``
+    (the process environment for a command) may hold the API key, ``ELASTICKV_API_KEY``."""
     file = Path(path)
     try:
         data = tomllib.loads(file.read_text())
@@ -251,21 +275,33 @@ def load_config(path: str | os.PathLike[str], **overrides: Any) -> ServeConfig:
         raise ServeConfigError(f"--config {path}: cannot read it: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ServeConfigError(f"--config {path}: not valid TOML: {exc}") from None
-    return config_from_mapping(data, source=str(path), **overrides)
+    return config_from_mapping(data, source=str(path), environ=environ, **overrides)
 
 
-def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: Any) -> ServeConfig:
-    """Build a :class:`ServeConfig` from parsed TOML (see the module doc for the fields)."""
+def config_from_mapping(
+    data: Mapping[str, Any],
+    *,
+    source: str,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> ServeConfig:
+    """Build a :class:`ServeConfig` from parsed TOML (see the module doc for the fields). The
+    API key: ``overrides["api_key"]``, else ``[router] api_key_file``, else ``environ``'s
+    ``ELASTICKV_API_KEY``."""
     _unknown(data, _TOP_KEYS, "the top level")
     router = _table(data, "router")
     device = _table(data, "device")
     _unknown(router, _ROUTER_KEYS, "[router]")
     _unknown(device, _DEVICE_KEYS, "[device]")
-    raw_models = data.get("model")
-    if not isinstance(raw_models, list) or not raw_models:
+    raw_models = data.get("model", [])
+    models_api = bool(overrides.get("models_api")) or _bool(
+        router.get("models_api", False), "[router] models_api"
+    )
+    if not isinstance(raw_models, list) or (not raw_models and not models_api):
         raise ServeConfigError(
             f"{source}: no [[model]] tables; add at least one, e.g.\n"
-            '[[model]]\nname = "tiny-llama"\nmodel = "tiny-llama"'
+            '[[model]]\nname = "tiny-llama"\nmodel = "tiny-llama"\n'
+            "(or set [router] models_api = true to add them at run time)"
         )
     models = tuple(m for i, raw in enumerate(raw_models) for m in _models(raw, i))
     values: dict[str, Any] = {"models": models, "source": source}
@@ -280,8 +316,36 @@ def config_from_mapping(data: Mapping[str, Any], *, source: str, **overrides: An
         table = tables[section]
         if key in table:
             values[field] = read(table[key], f"[{section}] {key}" if section else key)
+    if "allow_unauthenticated" in router:
+        values["allow_unauthenticated"] = _bool(
+            router["allow_unauthenticated"], "[router] allow_unauthenticated"
+        )
+    values["models_api"] = models_api
+    if overrides.get("api_key") is None:
+        file = router.get("api_key_file")
+        values["api_key"] = _api_key(
+            None if file is None else _str(file, "[router] api_key_file"),
+            "[router] api_key_file",
+            environ,
+        )
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ServeConfig(**values)
+
+
+def _api_key(file: str | None, label: str, environ: Mapping[str, str] | None) -> ApiKey | None:
+    """The key in ``file`` (the setting ``label``), else ``ELASTICKV_API_KEY``, else None."""
+    try:
+        if file is not None:
+            return read_key_file(file, label)
+        return key_from_environment(environ or {})
+    except ApiKeyError as exc:
+        raise ServeConfigError(str(exc)) from None
+
+
+def api_key_value(file: str | None, label: str, environ: Mapping[str, str] | None) -> ApiKey | None:
+    """The API key a command uses: ``file`` (its setting ``label``, e.g. ``--api-key-file``)
+    if given, else ``ELASTICKV_API_KEY`` in ``environ``; errors are ServeConfigError."""
+    return _api_key(file, label, environ)
 
 
 def _wake_timeout(value: Any, label: str) -> float | None:
@@ -303,14 +367,31 @@ _SERVE_FIELDS: tuple[tuple[str, str, str, Callable[[Any, str], Any]], ...] = (
 
 
 def config_from_flags(
-    models: Sequence[str], *, min_kv: str | None, max_kv: str | None, **overrides: Any
+    models: Sequence[str],
+    *,
+    min_kv: str | None,
+    max_kv: str | None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
 ) -> ServeConfig:
     """``--model [NAME=]SOURCE`` (repeated) with shared ``--min-kv`` / ``--max-kv``; no
-    ``--model`` at all: the built-in models."""
+    ``--model`` at all: the built-in models, or none with ``models_api`` (they are added at
+    run time). The API key: ``overrides["api_key"]``, else ``ELASTICKV_API_KEY`` in
+    ``environ``."""
+    if overrides.get("api_key") is None:
+        overrides["api_key"] = _api_key(None, "", environ)
     if not models:
         if min_kv is not None or max_kv is not None:
             raise ServeConfigError("--min-kv / --max-kv need --model (or a --config file)")
-        return builtin_config(**{k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if given.get("models_api"):
+            if "budget" not in given:
+                raise ServeConfigError(
+                    "--budget is required with --models-api: the KV bytes the models added "
+                    "at run time share, e.g. --budget 8G"
+                )
+            return ServeConfig(models=(), source="flags", **given)
+        return builtin_config(**given)
     built = []
     for i, spec in enumerate(models):
         name, _, source = spec.rpartition("=")
@@ -426,6 +507,15 @@ def _env(value: Any, label: str) -> dict[str, str]:
     return env
 
 
+def model_from_mapping(raw: Any, where: str) -> ModelConfig:
+    """One model described as a ``[[model]]`` table (parsed TOML, or JSON sent to the models
+    API), checked field by field; ``where`` names it in errors. A ``pd`` model is refused
+    here: it is two engines (see :func:`config_from_mapping`)."""
+    if isinstance(raw, Mapping) and "pd" in raw:
+        raise ServeConfigError(f"{where}: pd models are served from a configuration file only")
+    return _model(raw, 0, where=where)
+
+
 def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
     label = where or f"[[model]] #{index + 1}"
     if not isinstance(raw, Mapping):
@@ -476,7 +566,7 @@ def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
 
 
 def _validate(config: ServeConfig) -> None:
-    if not config.models:
+    if not config.models and not config.models_api:
         raise ServeConfigError("no models to serve")
     if config.mode not in MODES:
         raise ServeConfigError(
@@ -491,11 +581,6 @@ def _validate(config: ServeConfig) -> None:
         )
     seen: set[str] = set()
     for m in config.models:
-        if not _NAME.match(m.name):
-            raise ServeConfigError(
-                f"model name {m.name!r}: use 1-64 letters, digits and . _ - : @ + /, starting "
-                "with a letter or digit"
-            )
         if m.name in seen:
             raise ServeConfigError(f"model name {m.name!r} is used twice; served names must differ")
         seen.add(m.name)
@@ -504,40 +589,7 @@ def _validate(config: ServeConfig) -> None:
                 f"model name {m.group!r} is used twice (a pd model and another model); served "
                 "names must differ"
             )
-        _check_source(m)
-        if config.static and m.nixl_progress_wait_ms is not None:
-            raise ServeConfigError(
-                f"model {m.name!r}: nixl_progress_wait_ms needs elastickv in the engine, and "
-                '[device] mode = "static" runs native vLLM; remove it or use mode "elastic"'
-            )
-        if m.min_kv < config.page_size:
-            default = " (the default)" if config.page_size == DEFAULT_PAGE_SIZE else ""
-            raise ServeConfigError(
-                f"model {m.name!r} min_kv = {format_bytes(m.min_kv)} is smaller than one page "
-                f"([device] page_size = {format_bytes(config.page_size)}{default}); give it at "
-                "least the engine's null block and one request, or use smaller pages (e.g. "
-                'page_size = "64K")'
-            )
-        if m.max_kv is not None and m.max_kv < m.min_kv:
-            raise ServeConfigError(
-                f"model {m.name!r} max_kv = {format_bytes(m.max_kv)} is below its min_kv "
-                f"({format_bytes(m.min_kv)})"
-            )
-        if m.release_after_s is not None and m.release_after_s <= 0:
-            raise ServeConfigError(f"model {m.name!r} release_after must be positive or never")
-        if m.stop_after_s is not None and m.stop_after_s <= 0:
-            raise ServeConfigError(f"model {m.name!r} stop_after must be positive or never")
-        release, stop = m.release_after_s, m.stop_after_s
-        if release is not None and stop is not None and stop <= release:
-            default = " (the default)" if release == DEFAULT_RELEASE_AFTER_S else ""
-            raise ServeConfigError(
-                f"model {m.name!r} stop_after = {stop:g}s is not longer than its release_after "
-                f"= {release:g}s{default}: its engine would stop before its KV is released; "
-                f'set release_after below {stop:g}s, or release_after = "never" to go straight '
-                "to stopping"
-            )
-        if m.python is not None:
-            _check_python(m.python, f"model {m.name!r} python")
+        check_model(m, page_size=config.page_size, static=config.static)
     floors = sum(m.min_kv for m in config.models)
     if floors > config.budget:
         parts = [format_bytes(m.min_kv) for m in config.models]
@@ -558,6 +610,72 @@ def _validate(config: ServeConfig) -> None:
         raise ServeConfigError(f"[router] wake_timeout = {config.wake_timeout_s}: must be > 0")
     if config.python is not None:
         _check_python(config.python, "python")
+    _check_listener(config)
+
+
+def check_model(model: ModelConfig, *, page_size: int, static: bool, source: bool = True) -> None:
+    """The checks of one model that need no other model: its name, its source (unless
+    ``source`` is False: a cluster's driver may not see the directories its nodes see), its
+    sizes against the page size, its idle tiers, its Python."""
+    m = model
+    if not _NAME.match(m.name):
+        raise ServeConfigError(
+            f"model name {m.name!r}: use 1-64 letters, digits and . _ - : @ + /, starting "
+            "with a letter or digit"
+        )
+    if source:
+        _check_source(m)
+    if static and m.nixl_progress_wait_ms is not None:
+        raise ServeConfigError(
+            f"model {m.name!r}: nixl_progress_wait_ms needs elastickv in the engine, and "
+            '[device] mode = "static" runs native vLLM; remove it or use mode "elastic"'
+        )
+    if m.min_kv < page_size:
+        default = " (the default)" if page_size == DEFAULT_PAGE_SIZE else ""
+        raise ServeConfigError(
+            f"model {m.name!r} min_kv = {format_bytes(m.min_kv)} is smaller than one page "
+            f"([device] page_size = {format_bytes(page_size)}{default}); give it at "
+            "least the engine's null block and one request, or use smaller pages (e.g. "
+            'page_size = "64K")'
+        )
+    if m.max_kv is not None and m.max_kv < m.min_kv:
+        raise ServeConfigError(
+            f"model {m.name!r} max_kv = {format_bytes(m.max_kv)} is below its min_kv "
+            f"({format_bytes(m.min_kv)})"
+        )
+    if m.release_after_s is not None and m.release_after_s <= 0:
+        raise ServeConfigError(f"model {m.name!r} release_after must be positive or never")
+    if m.stop_after_s is not None and m.stop_after_s <= 0:
+        raise ServeConfigError(f"model {m.name!r} stop_after must be positive or never")
+    release, stop = m.release_after_s, m.stop_after_s
+    if release is not None and stop is not None and stop <= release:
+        default = " (the default)" if release == DEFAULT_RELEASE_AFTER_S else ""
+        raise ServeConfigError(
+            f"model {m.name!r} stop_after = {stop:g}s is not longer than its release_after "
+            f"= {release:g}s{default}: its engine would stop before its KV is released; "
+            f'set release_after below {stop:g}s, or release_after = "never" to go straight '
+            "to stopping"
+        )
+    if m.python is not None:
+        _check_python(m.python, f"model {m.name!r} python")
+
+
+def _check_listener(config: ServeConfig) -> None:
+    """No router beyond loopback without a key unless asked; no models API without a key."""
+    if config.models_api and config.api_key is None:
+        raise ServeConfigError(
+            "[router] models_api = true lets whoever calls it start engines; it needs an API "
+            "key: [router] api_key_file = FILE (--api-key-file FILE) or ELASTICKV_API_KEY"
+        )
+    if is_loopback(config.host) or config.api_key is not None:
+        return
+    if not config.allow_unauthenticated:
+        raise ServeConfigError(
+            f"[router] host = {config.host!r} exposes the models to everyone who can reach "
+            "it, and no API key is set; give one ([router] api_key_file = FILE, "
+            "--api-key-file FILE, or ELASTICKV_API_KEY), or serve without one on purpose: "
+            "[router] allow_unauthenticated = true (--allow-unauthenticated)"
+        )
 
 
 def _check_source(model: ModelConfig) -> None:
@@ -615,6 +733,12 @@ def _str(value: Any, label: str) -> str:
     return value.strip()
 
 
+def _bool(value: Any, label: str) -> bool:
+    if not isinstance(value, bool):
+        raise ServeConfigError(f"{label} = {value!r}: use true or false")
+    return value
+
+
 def _int(value: Any, label: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ServeConfigError(f"{label} = {value!r}: must be a whole number")
@@ -658,6 +782,12 @@ def _size(value: Any, label: str) -> int:
     return size
 
 
+def duration_value(value: Any, label: str, *, allow_never: bool = True) -> float | None:
+    """A positive duration as typed (``"30s"``, ``"5m"``, seconds as a number), or None for
+    ``"never"`` when ``allow_never``; the error names ``label``."""
+    return _duration(value, label, allow_never=allow_never)
+
+
 def _duration(value: Any, label: str, *, allow_never: bool = True) -> float | None:
     if allow_never and isinstance(value, str) and value.strip().lower() in _NEVER:
         return None
@@ -680,7 +810,9 @@ __all__ = [
     "ServeConfig",
     "ServeConfigError",
     "builtin_config",
+    "check_model",
     "config_from_flags",
     "config_from_mapping",
     "load_config",
+    "model_from_mapping",
 ]

@@ -38,8 +38,9 @@ PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
 # is set by serve from the configuration.
 PASSED_SETTINGS = ("ELASTICKV_LEDGER_DIR", "ELASTICKV_CHECK_COMMITS", "ELASTICKV_STRICT")
-# ``ELASTICKV_*`` settings serve's own process reads (where it builds the built-in models).
-SERVE_SETTINGS = ("ELASTICKV_MODEL_CACHE",)
+# ``ELASTICKV_*`` settings serve's own process reads (where it builds the built-in models; the
+# router's API key). Never passed to the engines.
+SERVE_SETTINGS = ("ELASTICKV_MODEL_CACHE", "ELASTICKV_API_KEY")
 
 
 def ignored_settings(environ: Mapping[str, str]) -> list[str]:
@@ -185,8 +186,19 @@ def session_processes(sid: int) -> list[psutil.Process]:
     return found
 
 
-def _child_setup(parent_pid: int) -> None:
-    """In the forked child, before exec: die with ``elastickv serve`` (SIGTERM)."""
+def exit_with_parent(parent_pid: int) -> None:
+    """In this process: SIGTERM when the thread of ``parent_pid`` that started it ends (with
+    its process), and at once if that parent is already gone. For a process its parent starts
+    without a ``preexec_fn`` (a Ray worker may not run Python between fork and exec: gRPC's
+    fork handlers abort the child)."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a forked child, before exec: SIGTERM when the thread that started it ends (with
+    its process); exit at once if the parent is already gone."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the line above
         os._exit(1)
@@ -223,7 +235,7 @@ class EngineProcess:
                     stdout=log,
                     stderr=asyncio.subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=lambda: _child_setup(me),
+                    preexec_fn=lambda: die_with_parent(me),
                 )
         except BaseException:
             remove_leftovers(rpc_dir)
@@ -276,11 +288,14 @@ class EngineProcess:
         return session_processes(self.pid)
 
     async def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM (vLLM's clean shutdown), then SIGKILL to whatever of its session is left."""
+        """SIGTERM (vLLM's clean shutdown; SIGCONT too, so that a stopped engine acts on it
+        at once), then SIGKILL to whatever of its session is left."""
         self.stopping = True
         if not self.exited:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGCONT)  # a stopped (SIGSTOP) engine takes it now
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.proc.wait(), timeout)
         deadline = time.monotonic() + 5.0

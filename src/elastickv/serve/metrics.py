@@ -135,6 +135,11 @@ class ServeMetrics:
             "requests by model and HTTP status",
             ["model", "status"], registry=self.registry,
         )  # fmt: skip
+        self.unauthorized = Counter(
+            "elastickv_router_unauthorized",
+            "requests refused (401) for a missing or wrong API key",
+            registry=self.registry,
+        )
         self.registry.register(_Readings(read))
 
     def render(self) -> bytes:

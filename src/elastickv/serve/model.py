@@ -97,6 +97,7 @@ class ServedModel:
         self._wake: asyncio.Task[None] | None = None
         self._monitor: asyncio.Task[None] | None = None
         self._closing = False
+        self.removed = False  # taken out through the models API: nothing more is admitted
 
     @property
     def name(self) -> str:
@@ -175,6 +176,12 @@ class ServedModel:
                     self.stopped_on_exit.append(engine.pid)
                 logger.info("%s: engine pid %d stopped", self.name, engine.pid)
 
+    def retire(self) -> None:
+        """The model is being removed: no request is admitted from now on, and those waiting
+        for it (a wake) are refused at once."""
+        self.removed = True
+        self._ready.set()
+
     def kill(self) -> None:
         """Synchronous last resort at exit: SIGKILL the engine's processes."""
         self._closing = True
@@ -231,7 +238,12 @@ class ServedModel:
                 self._set(ModelState.IDLE)
             self.hooks.changed()
 
+    def _gone(self) -> Unavailable:
+        return Unavailable(404, f"model {self.name!r} was removed from this server")
+
     async def _admit(self) -> None:
+        if self.removed:
+            raise self._gone()
         if self.state is ModelState.FAILED:
             raise Unavailable(
                 503, f"model {self.name!r} failed and is not being restarted: {self.last_error}"
@@ -265,6 +277,8 @@ class ServedModel:
                     f"(state {self.state.value})",
                     retry_after=10.0,
                 ) from None
+            if self.removed:
+                raise self._gone()
             if self.current() is ModelState.FAILED:  # set while this request waited
                 raise Unavailable(503, f"model {self.name!r} failed to start: {self.last_error}")
         finally:

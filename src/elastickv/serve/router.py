@@ -8,6 +8,11 @@ error body, a token stream — passes through unchanged. A client that disconnec
 handler, which closes the upstream connection, and vLLM aborts the request. If the engine dies
 mid-request the client gets a clean 502 (or, mid-stream, an error event before the stream
 ends).
+
+With an API key, every route answers 401 (OpenAI's error format) unless the request carries
+``Authorization: Bearer <key>``. With the models API, ``POST /admin/models`` adds a model (a
+``[[model]]`` table as JSON) and answers once its engine is healthy, and ``DELETE
+/admin/models/{name}`` stops one and forgets it.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from elastickv.serve.auth import ApiKey
 from elastickv.serve.engine import ROUTER_KEEP_ALIVE_S
 from elastickv.serve.metrics import CONTENT_TYPE, ServeMetrics
 from elastickv.serve.model import ServedModel, Unavailable
@@ -57,6 +64,51 @@ def error_response(
     return web.json_response(body, status=status, headers=headers)
 
 
+class ModelsApiError(Exception):
+    """A models API call refused: HTTP ``status`` and a message that says why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ModelsApi:
+    """What the models API calls (wired by the app); both raise :class:`ModelsApiError`."""
+
+    add: Callable[[Any], Awaitable[dict[str, Any]]]  # a [[model]] table -> its description
+    remove: Callable[[str, float], Awaitable[dict[str, Any]]]  # (name, drain seconds)
+
+
+DEFAULT_DRAIN_S = 60.0  # how long a removal waits for the model's requests in flight
+
+
+def unauthorized() -> web.Response:
+    """401 in OpenAI's error format (the key is never echoed)."""
+    return error_response(
+        401,
+        "missing or wrong API key: send it as the header 'Authorization: Bearer <key>'",
+        "invalid_request_error",
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+
+
+def require_key(key: ApiKey, refused: Callable[[], None]) -> Any:
+    """aiohttp middleware: every route needs ``key`` (``refused`` counts each refusal)."""
+
+    @web.middleware
+    async def check(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if not key.matches(request.headers.get("Authorization")):
+            refused()
+            return unauthorized()
+        return await handler(request)
+
+    return check
+
+
 class Router:
     """The router's handlers over the served models."""
 
@@ -67,25 +119,76 @@ class Router:
         session: aiohttp.ClientSession,
         describe: Callable[[], dict[str, Any]],
         pairs: Mapping[str, PDPair] | None = None,
+        *,
+        api_key: ApiKey | None = None,
+        models_api: ModelsApi | None = None,
     ) -> None:
         self.models = {n: m for n, m in models.items() if m.config.group is None}
         self.pairs = dict(pairs or {})
         self.metrics = metrics
         self.session = session
         self.describe = describe
+        self.api_key = api_key
+        self.models_api = models_api
         self.created = int(time.time())
 
     def served_names(self) -> list[str]:
         return [*self.models, *self.pairs]
 
+    def add(self, model: ServedModel) -> None:
+        """Route requests to a model added at run time."""
+        self.models[model.name] = model
+
+    def remove(self, name: str) -> None:
+        """Stop routing to a model (its new requests get the unknown-model 404)."""
+        self.models.pop(name, None)
+
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        middlewares = []
+        if self.api_key is not None:
+            middlewares.append(require_key(self.api_key, self.metrics.unauthorized.inc))
+        app = web.Application(client_max_size=64 << 20, middlewares=middlewares)
         app.router.add_get("/v1/models", self.list_models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         for path in FORWARDED_PATHS:
             app.router.add_post(path, self.forward)
+        if self.models_api is not None:
+            app.router.add_post("/admin/models", self.add_model)
+            app.router.add_delete("/admin/models/{name:.+}", self.remove_model)
         return app
+
+    async def add_model(self, request: web.Request) -> web.Response:
+        assert self.models_api is not None
+        try:
+            raw = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            return error_response(
+                400, "the request body is not valid JSON", "invalid_request_error"
+            )
+        try:
+            described = await self.models_api.add(raw)
+        except ModelsApiError as exc:
+            return error_response(exc.status, exc.message, _kind(exc.status))
+        return web.json_response({"model": described})
+
+    async def remove_model(self, request: web.Request) -> web.Response:
+        assert self.models_api is not None
+        drain = request.query.get("drain", str(DEFAULT_DRAIN_S))
+        try:
+            drain_s = float(drain)
+            if not 0 <= drain_s <= 3600:
+                raise ValueError(drain)
+        except ValueError:
+            return error_response(
+                400, f"drain = {drain!r}: seconds from 0 to 3600", "invalid_request_error",
+                param="drain",
+            )  # fmt: skip
+        try:
+            removed = await self.models_api.remove(request.match_info["name"], drain_s)
+        except ModelsApiError as exc:
+            return error_response(exc.status, exc.message, _kind(exc.status))
+        return web.json_response(removed)
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [self._listing(m.name, m.config.source, m.state.value) for m in self.models.values()]
@@ -275,6 +378,12 @@ class Router:
         return response
 
     def _engine_lost(self, model: ServedModel, what: str) -> web.Response:
+        if model.removed:
+            return error_response(
+                502,
+                f"model {model.name!r} was removed from this server while serving this request",
+                "model_removed",
+            )
         logger.warning("%s: the engine %s during a request", model.name, what)
         return error_response(
             502,
@@ -282,3 +391,10 @@ class Router:
             "restarted, retry shortly",
             "engine_failed",
         )
+
+
+def _kind(status: int) -> str:
+    """OpenAI's error type for a models API status."""
+    return {400: "invalid_request_error", 404: "NotFoundError", 409: "conflict"}.get(
+        status, "service_unavailable" if status == 503 else "engine_failed"
+    )
