@@ -125,7 +125,7 @@ def publish_store(num_blocks: int, num_layers: int, spec: Any) -> None:
     """What the elastic plugin does before the scheduler is built: settings from the
     environment, the scheduler hooks, and a store whose pages a ledger record admits from
     credit under its limit (the page operations of each step go nowhere: no worker maps
-    them here; what a worker's mapping costs is ``bench_vmm.py``'s)."""
+    them here; what a worker's mapping costs is ``bench_grants.py``'s)."""
     from elastickv.geometry import KVCacheGeometry
     from elastickv.integrations.vllm.config import ElasticConfig
     from elastickv.integrations.vllm.scheduler import scheduler_hooks

@@ -19,8 +19,8 @@ run short of blocks (native preempts, elastickv refuses and preempts) on the sam
 
 ``--cold-burst`` runs the cold-burst workload: 64 requests at once against engines that run 16
 at a time, the elastic side releasing every page it frees (``ELASTICKV_HOT_MAX_PAGES=0``,
-64 KiB pages), so each pass starts cold and its commits land on the scheduler's path unless
-``--elastic-env ELASTICKV_PRECOMMIT=1`` commits them ahead of the demand.
+64 KiB pages), so each pass starts cold: every page it takes is granted in the step that
+needs it and mapped by the worker before that step runs.
 
 ``--saturate`` runs the saturation workload: 64 requests at concurrency 32 against a KV cache
 (``--kv-cache-memory-bytes``, the same on both sides) that holds about half of what they need
@@ -430,7 +430,7 @@ def main() -> int:
         action="store_true",
         help=f"the cold-burst workload: {COLD_BURST['requests']} requests at once, "
         f"{COLD_BURST_MAX_NUM_SEQS} running at a time, the elastic side starting every pass "
-        "with no page committed (compare with --elastic-env ELASTICKV_PRECOMMIT=1)",
+        "with no page committed",
     )
     parser.add_argument(
         "--budget",
