@@ -21,6 +21,14 @@ __all__ = [
 ]
 
 
+def served_name(model: str) -> str:
+    """The name an engine of ``model`` registers under: a built-in model's own name (not its
+    cache directory's, ``tiny-llama-<digest>``), else the directory's."""
+    from elastickv.models import builtin_name_of
+
+    return builtin_name_of(model) or os.path.basename(model.rstrip("/"))
+
+
 def test_server_health_and_elastic_pool(servers: dict[str, Any]) -> None:
     native, elastic = servers["native"], servers["elastic"]
     for run in (native, elastic):
@@ -58,7 +66,7 @@ def test_server_registers_in_ledger_by_model_and_port(servers: dict[str, Any]) -
     elastic, native = servers["elastic"], servers["native"]
     assert native["ledger"] == []
     (instance,) = elastic["ledger"]
-    assert instance["name"] == f"{os.path.basename(elastic['model'])}:{elastic['port']}"
+    assert instance["name"] == f"{served_name(elastic['model'])}:{elastic['port']}"
     assert instance["committed_bytes"] > 0  # the null block's pages, admitted by the ledger
     metrics = elastic["metrics"]
     assert "elastickv_committed_bytes" in metrics and f'"{instance["name"]}"' in metrics
@@ -69,7 +77,7 @@ def test_server_log_says_elastickv_is_on(servers: dict[str, Any]) -> None:
     """vLLM's own log shows elastickv's start-up line (version, contract, instance, blocks,
     page, floor, budget) in the elastic server and nothing of elastickv in the native one."""
     elastic, native = servers["elastic"], servers["native"]
-    name = f"{os.path.basename(elastic['model'])}:{elastic['port']}"
+    name = f"{served_name(elastic['model'])}:{elastic['port']}"
     line = re.search(
         r"elastickv \S+ on vLLM \S+ \(0\.\d+ contract\): instance '(?P<name>[^']+)' in ledger "
         r".*; (?P<blocks>\d+) KV blocks in a virtual .*, pages of (?P<page>\S+ \S+) committed on "
