@@ -424,3 +424,67 @@ def test_the_prefix_cache_resets_while_the_budget_binds() -> None:
         assert made.get_num_free_blocks() < made.free_block_queue.num_free_blocks
     finally:
         made.close_elastic()
+
+
+class _Waiting(list[Any]):
+    """A waiting queue with vLLM's ``peek_request``."""
+
+    def peek_request(self) -> Any:
+        return self[0]
+
+
+def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> None:
+    """Requests wait, none runs and the limit holds none of them: vLLM would step (and call
+    every worker) a thousand times a second, each step empty. The pool says the next step
+    would schedule nothing again, without asking the ledger more than every
+    ``CREDIT_RETRY_S``, until a request arrives, a raised limit grants credit, or a request
+    runs; an engine with a KV connector always steps (its transfers progress through
+    steps)."""
+    from elastickv.integrations.vllm.scheduler import block_pool
+
+    with open_ledger(directory=str(tmp_path), total_bytes=64 * PAGE, utilization=1.0) as ledger:
+        handle = ledger.register("engine", limit=3 * PAGE)  # the null block + 2 pages
+        made = make_pool(32, None, policy=lambda config, device: CreditPolicy(handle))
+        try:
+            scheduler = scheduler_of(made, 0, [])
+            scheduler.waiting = _Waiting([SimpleNamespace(num_tokens=80)])  # 6 blocks
+            scheduler.requests = {"a": scheduler.waiting[0]}
+            scheduler.connector = None
+            scheduler.finished_req_ids = set()
+            made.begin_step(scheduler)
+            assert made.get_num_free_blocks() < 6  # vLLM schedules nothing
+            made.note_step(scheduler, False)
+            asked = handle.info().refusals
+            for _ in range(50):
+                assert made.waits_for_memory(scheduler)
+            # At most one ledger question in this short spell (its retry interval is 20 ms).
+            assert handle.info().refusals - asked <= 1
+            # A new request ends the wait (vLLM may admit it, or the first one, now).
+            scheduler.waiting.append(SimpleNamespace(num_tokens=16))
+            scheduler.requests["b"] = scheduler.waiting[1]
+            assert not made.waits_for_memory(scheduler)
+            made.begin_step(scheduler)
+            made.note_step(scheduler, False)
+            assert made.waits_for_memory(scheduler)
+            # A raised limit: the next question to the ledger gets credit, and the wait ends.
+            ledger.set_limit("engine", 32 * PAGE)
+            made._credit_retry_at = 0.0  # the retry interval passed
+            assert not made.waits_for_memory(scheduler)
+            made.begin_step(scheduler)
+            assert made.get_num_free_blocks() >= 6
+            # Nothing waits for memory while a request runs, after a step that scheduled
+            # work, or with a KV connector.
+            made.note_step(scheduler, True)
+            assert not made.waits_for_memory(scheduler)
+            ledger.set_limit("engine", 3 * PAGE)
+            made._next_limit_check = 0.0
+            made.begin_step(scheduler)
+            for running, connector in ((1, None), (0, object())):
+                scheduler.running = [SimpleNamespace(num_tokens=1, num_computed_tokens=0)] * running
+                scheduler.connector = connector
+                made.note_step(scheduler, False)
+                assert not made.waits_for_memory(scheduler), (running, connector)
+            assert block_pool.CREDIT_RETRY_S <= 0.05
+        finally:
+            made.close_elastic()
+            handle.close()

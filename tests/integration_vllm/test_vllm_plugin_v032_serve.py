@@ -60,7 +60,13 @@ MIN_KV = 512 << 10
 BUDGET = 6 << 20
 SHORT = ["Hello, my name is", "1 + 1 =", "The capital of France is", "机器学习是"]
 MAX_TOKENS = 16
-LOAD_REQUESTS = 16  # each burst needs more than half the budget, also with admission headroom
+# Each burst needs far more than half the budget: a load prompt is 289-307 tokens, 10 blocks
+# at admission (alpha: 32 KiB a block, 5 MiB for the 16; beta: 72 KiB a block), so alpha goes
+# above half with any 10 of its requests running together, however the client's threads and
+# the router happen to spread their arrival (with 36-40 words, 5 blocks each, it needed all
+# 16 at once and missed on a loaded machine: 2.875 MiB).
+LOAD_REQUESTS = 16
+LOAD_WORDS = 76
 LOAD_TOKENS = 48
 RELEASE_AFTER_S = 3
 # How far apart two logprobs may be and still count as the same value: computing the same
@@ -84,7 +90,7 @@ ORPHAN_MARGIN_S = 5.0
 
 def load_prompt(i: int) -> str:
     words = ["alpha", "beta", "gamma", "delta", "sky", "river", "stone", "light"]
-    return f"Request {i}: " + " ".join(words[(i * 3 + k) % 8] for k in range(36 + i % 5))
+    return f"Request {i}: " + " ".join(words[(i * 3 + k) % 8] for k in range(LOAD_WORDS + i % 5))
 
 
 def workload(model: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:

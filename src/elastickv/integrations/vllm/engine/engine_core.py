@@ -10,6 +10,10 @@ order vLLM already guarantees: KV caches placed → scheduler built → blocks h
 request left (and none in flight) gives its credit back and hands the page operations made
 since its ``SchedulerOutput`` (the blocks its last requests freed) to the workers at once,
 instead of with a next step that may not come (an in-process ``LLM`` has no idle ticks).
+While the engine *waits for memory* (requests wait, none runs, the limit or the device budget
+binds: ``ElasticBlockPool.waits_for_memory``), ``step`` is skipped until something that
+could change the schedule changed: vLLM would otherwise send its workers an empty step every
+millisecond, and their readers would spin.
 
 ``EngineCoreProc.run_busy_loop`` (the engine core as its own process) gets two guards: a
 limit lowered while the engine idles is applied from the engine's own thread, and its pages
@@ -19,9 +23,11 @@ released in the workers (:mod:`.idle_ticks`), and the engine core stops when its
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import os
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +108,11 @@ def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFac
     )
 
 
+# How long the engine core sleeps per loop while it waits for memory (new requests are read
+# between two sleeps; the ledger is asked for credit every CREDIT_RETRY_S).
+MEMORY_WAIT_POLL_S = 0.005
+
+
 def flush_page_ops(engine_core: Any, pool: ElasticBlockPool) -> None:
     """Hand the page operations not yet sent to the workers, and have them release what they
     still hold: the engine has no step in flight and none may come soon."""
@@ -122,10 +133,17 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
         return _initialize_kv_caches
 
-    def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    def step_wrapper(original: Callable[..., Any], *, may_wait: bool) -> Callable[..., Any]:
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = original(self, *args, **kwargs)
             pool = _grants_pool(self)
+            if may_wait and pool is not None and pool.waits_for_memory(self.scheduler):
+                # The step would schedule nothing again: skip it, and its round trip to
+                # every worker (vLLM's loop sleeps 1 ms more and reads new requests).
+                time.sleep(MEMORY_WAIT_POLL_S)
+                return {}, False
+            result = original(self, *args, **kwargs)
+            if may_wait and pool is not None:
+                pool.note_step(self.scheduler, bool(result[1]))
             if (
                 pool is not None
                 and not pool.idle
@@ -139,9 +157,12 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
         return step
 
     wrap_method(EngineCore, "_initialize_kv_caches", init_wrapper)
-    wrap_method(EngineCore, "step", step_wrapper)
+    wrap_method(EngineCore, "step", functools.partial(step_wrapper, may_wait=True))
     if hasattr(EngineCore, "step_with_batch_queue"):
-        wrap_method(EngineCore, "step_with_batch_queue", step_wrapper)
+        # Steps in flight (pipeline parallelism, asynchronous scheduling): vLLM's own loop.
+        wrap_method(
+            EngineCore, "step_with_batch_queue", functools.partial(step_wrapper, may_wait=False)
+        )
 
     from vllm.v1.engine.core import EngineCoreProc
 

@@ -113,6 +113,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._watermark: int | None = None  # vLLM's own watermark, before any headroom
         self._headroom = 0  # the admission headroom the watermark holds now
         self._short = False  # the ledger gave less credit than a step needed
+        # The state an empty schedule was made from while the engine waits for memory.
+        self._stalled_on: tuple[int, ...] | None = None
         self._forecast = 0  # blocks the next step will likely take while requests wait
         self.idle = True  # no step since the engine last ran out of requests
         self.refusals = 0  # steps the limit or the device budget cut short
@@ -206,6 +208,61 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if grants is not None:
             setattr(output, PAGE_OPS_ATTR, grants.drain())
         self.allocator.forecast(self._forecast)
+
+    # -- an engine that waits for memory (engine core's step hook) ----------------------------
+
+    def note_step(self, scheduler: Any, scheduled: bool) -> None:
+        """After a step: one that scheduled nothing while requests wait, none runs and the
+        credit is short (the limit or the device budget binds) leaves the engine *waiting for
+        memory*, with the state the empty schedule was made from (see
+        :meth:`waits_for_memory`)."""
+        if scheduled or self.credit is None or not self._short:
+            self._stalled_on = None
+            return
+        if scheduler.running or not scheduler.waiting or scheduler.connector is not None:
+            self._stalled_on = None  # a KV connector's transfers progress through steps
+            return
+        self._stalled_on = self._stall_key(scheduler)
+
+    def waits_for_memory(self, scheduler: Any) -> bool:
+        """Whether the next step would schedule nothing again, so the engine core can skip
+        it: vLLM otherwise steps about a thousand times a second, each step a round trip to
+        every worker, whose reader then spins a core (seen: an engine waiting for another's
+        memory kept both processes busy on the core the other engine's worker was bound to,
+        and the other engine stalled). Asks the ledger for credit, at most every
+        ``CREDIT_RETRY_S``, and reads a changed limit meanwhile; a new or aborted request, a
+        block given back, or credit granted ends the wait."""
+        key = self._stalled_on
+        if key is None:
+            return False
+        credit = self.credit
+        now = time.monotonic()
+        if credit is not None and now >= self._credit_retry_at:
+            self.sync_limit()
+            room = scheduler.max_num_running_reqs
+            self._move_credit(
+                credit, scheduler, 0, self._waiting_blocks(scheduler.waiting, room), now
+            )
+        if self._stall_key(scheduler) != key:
+            self._stalled_on = None
+            return False
+        return True
+
+    def _stall_key(self, scheduler: Any) -> tuple[int, ...]:
+        """What an empty schedule was made from: the requests (added, aborted, finished and
+        not yet reported), the first waiting one, and the room the pool counts."""
+        first = scheduler.waiting.peek_request() if scheduler.waiting else None
+        credit = self.credit
+        return (
+            len(scheduler.requests),
+            len(scheduler.waiting),
+            len(scheduler.finished_req_ids),
+            id(first),
+            self.allocator.state_version,
+            credit.credit_bytes if credit is not None else 0,
+            len(self._parked),
+            self.free_block_queue.num_free_blocks,
+        )
 
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
