@@ -473,15 +473,22 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
             made.begin_step(scheduler)
             assert made.get_num_free_blocks() >= 6
             # Nothing waits for memory while a request runs, after a step that scheduled
-            # work, or with a KV connector.
-            made.note_step(scheduler, True)
-            assert not made.waits_for_memory(scheduler)
+            # work, after a step that changed the state it began from (a preemption freed
+            # blocks: vLLM admits nothing in that step, but may in the next), or with a KV
+            # connector.
             ledger.set_limit("engine", 3 * PAGE)
             made._next_limit_check = 0.0
             made.begin_step(scheduler)
+            made.note_step(scheduler, True)
+            assert not made.waits_for_memory(scheduler)
+            made.begin_step(scheduler)
+            made.free_blocks(made.get_new_blocks(1))  # what a preemption does to the state
+            made.note_step(scheduler, False)
+            assert not made.waits_for_memory(scheduler)
             for running, connector in ((1, None), (0, object())):
                 scheduler.running = [SimpleNamespace(num_tokens=1, num_computed_tokens=0)] * running
                 scheduler.connector = connector
+                made.begin_step(scheduler)
                 made.note_step(scheduler, False)
                 assert not made.waits_for_memory(scheduler), (running, connector)
             assert block_pool.CREDIT_RETRY_S <= 0.05

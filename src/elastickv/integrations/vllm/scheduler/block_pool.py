@@ -113,8 +113,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._watermark: int | None = None  # vLLM's own watermark, before any headroom
         self._headroom = 0  # the admission headroom the watermark holds now
         self._short = False  # the ledger gave less credit than a step needed
-        # The state an empty schedule was made from while the engine waits for memory.
+        # The state an empty schedule was made from while the engine waits for memory, and
+        # the state a step that may schedule nothing began from.
         self._stalled_on: tuple[int, ...] | None = None
+        self._before_step: tuple[int, ...] | None = None
         self._forecast = 0  # blocks the next step will likely take while requests wait
         self.idle = True  # no step since the engine last ran out of requests
         self.refusals = 0  # steps the limit or the device budget cut short
@@ -199,6 +201,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 self._watermark = int(getattr(manager, "watermark_blocks", 0))
             manager.watermark_blocks = self._watermark + headroom
             self._headroom = headroom
+        # The state a step that may find nothing to schedule begins from (see note_step).
+        self._before_step = self._stall_key(scheduler) if short and queued and not running else None
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
@@ -212,17 +216,18 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     # -- an engine that waits for memory (engine core's step hook) ----------------------------
 
     def note_step(self, scheduler: Any, scheduled: bool) -> None:
-        """After a step: one that scheduled nothing while requests wait, none runs and the
-        credit is short (the limit or the device budget binds) leaves the engine *waiting for
-        memory*, with the state the empty schedule was made from (see
-        :meth:`waits_for_memory`)."""
-        if scheduled or self.credit is None or not self._short:
-            self._stalled_on = None
-            return
-        if scheduler.running or not scheduler.waiting or scheduler.connector is not None:
+        """After a step: one that began with requests waiting, none running and the credit
+        short (the limit or the device budget binds), scheduled nothing and left the state it
+        began from as it was, leaves the engine *waiting for memory*: the same schedule from
+        the same state schedules nothing again (see :meth:`waits_for_memory`). A step that
+        changed the state (a preemption freed blocks: vLLM admits nothing in that step, but
+        may in the next) does not."""
+        before, self._before_step = self._before_step, None
+        if scheduled or before is None or scheduler.connector is not None:
             self._stalled_on = None  # a KV connector's transfers progress through steps
             return
-        self._stalled_on = self._stall_key(scheduler)
+        key = self._stall_key(scheduler)
+        self._stalled_on = key if key == before else None
 
     def waits_for_memory(self, scheduler: Any) -> bool:
         """Whether the next step would schedule nothing again, so the engine core can skip
