@@ -11,6 +11,7 @@ and the engine died with "remove() called on an invalid block", seen under
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -455,10 +456,13 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
             assert made.get_num_free_blocks() < 6  # vLLM schedules nothing
             made.note_step(scheduler, False)
             asked = handle.info().refusals
+            began = time.monotonic()
             for _ in range(50):
                 assert made.waits_for_memory(scheduler)
-            # At most one ledger question in this short spell (its retry interval is 20 ms).
-            assert handle.info().refusals - asked <= 1
+            # The ledger is asked at most once per retry interval, however often vLLM's loop
+            # comes by.
+            spell = time.monotonic() - began
+            assert handle.info().refusals - asked <= 1 + spell / block_pool.CREDIT_RETRY_S
             # A new request ends the wait (vLLM may admit it, or the first one, now).
             scheduler.waiting.append(SimpleNamespace(num_tokens=16))
             scheduler.requests["b"] = scheduler.waiting[1]
@@ -491,7 +495,6 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
                 made.begin_step(scheduler)
                 made.note_step(scheduler, False)
                 assert not made.waits_for_memory(scheduler), (running, connector)
-            assert block_pool.CREDIT_RETRY_S <= 0.05
         finally:
             made.close_elastic()
             handle.close()
