@@ -13,7 +13,8 @@ from, so the CPU engines these tests run drive the same hooks a GPU engine does:
 * the workers' ``determine_available_memory`` answers the virtual capacity, and the GPU
   worker's start-up check of free memory lets an elastic engine start beside others;
 * two RPCs for the engine core: the export (where the cache is, its geometry) and the page
-  operations of an engine going idle.
+  operations of an engine going idle; two more that release and reload the model's weights
+  while the process stays up (:mod:`.weights_sleep`).
 
 The placement itself (:func:`place`, :class:`BackingMode`, :class:`LayerBackingMode`,
 :func:`verify_views`) answers vLLM's ``torch.zeros`` with a tensor over the worker's own
@@ -37,6 +38,7 @@ from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
+from elastickv.integrations.vllm.worker import weights_sleep
 from elastickv.integrations.vllm.worker.commit_check import CommitCheck
 from elastickv.integrations.vllm.worker.worker_kv import (
     PageMapError,
@@ -165,9 +167,11 @@ def persistent_init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """A runner's ``execute_model``: the step's granted pages first (a step without grants is
     one vLLM runs itself, a warm-up: the worker maps its blocks' pages), then the forward
-    (under the commit check when asked), then the step's work marked as queued."""
+    (under the commit check when asked), then the step's work marked as queued. A runner
+    whose weights sleep is woken first (:mod:`.weights_sleep`)."""
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        weights_sleep.wake_if_asleep(self)
         kv: WorkerKV | None = getattr(self, _KV, None)
         if kv is None:
             return original(self, scheduler_output, *args, **kwargs)
@@ -267,6 +271,7 @@ def install_runner_hooks(
     for name, method in ((EXPORT_METHOD, export_kv_pool), (APPLY_METHOD, apply_page_ops)):
         if not hasattr(worker, name):
             setattr(worker, name, method)
+    weights_sleep.install(worker)
     wrap_method(CPUWorker, "determine_available_memory", cpu_memory_wrapper)
     wrap_method(worker, "determine_available_memory", gpu_memory_wrapper)
     if hasattr(gpu_worker, "request_memory"):
