@@ -28,6 +28,7 @@ __all__ = [
     "BUILTIN_MODELS",
     "CACHE_ENV_VAR",
     "CPU_ATTENTION_HEAD_SIZES",
+    "LLAMA_100M",
     "MODEL_FILES",
     "SUPPORTED_DTYPES",
     "TINY_LLAMA",
@@ -226,6 +227,23 @@ TINY_LLAMA_DEEP: Final = TinyModelSpec(
 )
 """4 layers, hidden 256, 8 query / 4 KV heads of size 32, float32: the KV-hungriest built-in
 (4 KiB per token), the third shape of the multi-model benchmark."""
+
+LLAMA_100M: Final = TinyModelSpec(
+    name="llama-100m",
+    vocab_size=4096,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    dtype="float32",
+    seed=3,
+)
+"""8 layers, hidden 1024, 16 query / 4 KV heads of size 64, float32: about 99 M parameters,
+376 MiB of weights, so that releasing and reloading them is measurable against the engine's
+own memory (``benchmarks/bench_sleep.py``). Not in :data:`BUILTIN_MODELS`: everything that
+builds every built-in model (the model tests, ``layout tour``) would build it too."""
 
 BUILTIN_MODELS: Final[Mapping[str, TinyModelSpec]] = {
     spec.name: spec for spec in (TINY_LLAMA, TINY_LLAMA_BF16, TINY_LLAMA_DEEP)
