@@ -1,5 +1,5 @@
-"""One in-process vLLM 0.32 engine whose weights sleep and wake while it runs, driven by
-``test_vllm_plugin_v032_sleep.py``.
+"""One in-process vLLM engine (0.28 or 0.32) whose weights sleep and wake while it runs,
+driven by :mod:`sleep_tests`.
 
 Usage: ``python sleep_engine.py MODEL_DIR CYCLES``; elastickv's settings come from the
 environment. Greedy outputs of ``PROMPTS`` first (the reference), then ``CYCLES`` times: the
