@@ -12,9 +12,11 @@ request is answered.
 
 ``--native`` first runs the same prompts on a native engine (no elastickv) in a child process
 and checks the reference against it. ``--mp``: the engine in vLLM's multiprocess mode (the RPCs
-then cross processes); default in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+then cross processes); default in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``--compile``:
+vLLM's torch.compile instead of eager mode.
 
-    .venvs/vllm-0.32/bin/python benchmarks/bench_sleep.py [--cycles 3] [--native] [--mp] [--json]
+    .venvs/vllm-0.32/bin/python benchmarks/bench_sleep.py [--cycles 3] [--native] [--mp]
+        [--compile] [--json]
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def tree_pss() -> int:
     return total
 
 
-def start_engine(model: str) -> Any:
+def start_engine(model: str, compile_model: bool = False) -> Any:
     from vllm import LLM
 
     return LLM(
         model=model,
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=not compile_model,
         max_model_len=256,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
@@ -102,6 +104,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--native", action="store_true", help="check against a native engine")
     parser.add_argument("--mp", action="store_true", help="vLLM's multiprocess mode")
+    parser.add_argument("--compile", action="store_true", help="torch.compile (not eager)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -120,13 +123,14 @@ def main() -> None:
     os.environ.setdefault("ELASTICKV_LEDGER_DIR", tempfile.mkdtemp(prefix="bench-sleep-ledger-"))
     from elastickv.integrations.vllm.worker.weights_sleep import SLEEP_METHOD, WAKE_METHOD
 
-    llm = start_engine(model)
+    llm = start_engine(model, args.compile)
     reference = generate(llm, PROMPTS, MAX_TOKENS)
     awake = tree_pss()
     result: dict[str, Any] = {
         "model": LLAMA_100M.name,
         "weights_bytes": weights,
         "mode": "multiprocess" if args.mp else "in-process",
+        "compiled": args.compile,
         "native_equal": None if native is None else native == reference,
         "pss_awake": awake,
         "cycles": [],
@@ -157,6 +161,8 @@ def main() -> None:
             "wake_s": round(woken_at - start, 3),
             "reload_s": None if woke is None else round(woke[0]["reload_s"], 3),
             "restore_s": None if woke is None else round(woke[0]["restore_s"], 3),
+            # The worker's CPU time for the wake: what it costs on a machine others load.
+            "wake_cpu_s": None if woke is None else round(woke[0]["cpu_s"], 3),
             "first_token_s": round(first_at - woken_at, 3),
             "wake_and_first_token_s": round(first_at - start, 3),
             "first_token_equal": first[0] == reference[0][:1],

@@ -192,13 +192,14 @@ def sleep(runner: Any) -> dict[str, Any]:
 def wake(runner: Any) -> dict[str, Any]:
     """Reload ``runner``'s model weights from the checkpoint in place; idempotent. The reply
     splits the time: ``reload_s`` (storage, reading and copying the checkpoint) and
-    ``restore_s`` (the CPU backend's repacking of the linear layers)."""
+    ``restore_s`` (the CPU backend's repacking of the linear layers); ``cpu_s`` is the
+    process's CPU time for it (all threads), which a machine's other load does not inflate."""
     emptied: list[_Emptied] | None = getattr(runner, _SLEPT, None)
     if emptied is None:
         return {"woken": False, "pss": process_pss()}
     from vllm.config import set_current_vllm_config
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     restore_storage(emptied)
     spent = [0.0]
     with _timed_cpu_repack(spent), set_current_vllm_config(runner.vllm_config):
@@ -210,7 +211,7 @@ def wake(runner: Any) -> dict[str, Any]:
             f"({', '.join(unpacked[:3])}, ...); the model cannot run"
         )
     delattr(runner, _SLEPT)
-    total = time.perf_counter() - start
+    total, cpu = time.perf_counter() - start, time.process_time() - cpu
     trim_heap()  # the reload's transient buffers
     logger.info("elastickv: weights awake in %.3f s (repacking %.3f s)", total, spent[0])
     return {
@@ -218,6 +219,7 @@ def wake(runner: Any) -> dict[str, Any]:
         "wake_s": total,
         "reload_s": total - spent[0],
         "restore_s": spent[0],
+        "cpu_s": cpu,
         "pss": process_pss(),
     }
 
