@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,11 @@ def main() -> None:
         VLLM_NO_USAGE_STATS="1",
         DO_NOT_TRACK="1",
     )
-    os.environ.setdefault("ELASTICKV_LEDGER_DIR", tempfile.mkdtemp(prefix="bench-sleep-ledger-"))
+    # The engine registers in a ledger of its own, never the user's; removed at the end.
+    ledger = None
+    if "ELASTICKV_LEDGER_DIR" not in os.environ:
+        ledger = tempfile.mkdtemp(prefix="bench-sleep-ledger-")
+        os.environ["ELASTICKV_LEDGER_DIR"] = ledger
     from elastickv.integrations.vllm.worker.weights_sleep import SLEEP_METHOD, WAKE_METHOD
 
     llm = start_engine(model, args.compile)
@@ -178,6 +183,8 @@ def main() -> None:
     ) and result["native_equal"] in (None, True)
     print(json.dumps(result, indent=None if not args.json else 2), flush=True)
     llm.llm_engine.engine_core.shutdown()
+    if ledger is not None:
+        shutil.rmtree(ledger, ignore_errors=True)
     sys.exit(0 if result["ok"] else 1)
 
 
