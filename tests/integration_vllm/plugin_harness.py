@@ -134,6 +134,20 @@ def proc_fd_opens(result: dict[str, Any]) -> list[dict[str, Any]]:
     return [line for line in result["proc_fd_opens"] if line["pid"] != result["runner_pid"]]
 
 
+def failure_report(stdout: str, stderr: str, limit: int = 4000) -> str:
+    """What a failed engine run said: the first ``ERROR`` lines of vLLM's log and the first
+    traceback (a worker's or the engine core's exception, the root cause, comes long before
+    the runner's own traceback at the end), then the end of stderr."""
+    errors = [line for line in (stdout + "\n" + stderr).splitlines() if " ERROR " in line]
+    first = stderr.find("Traceback")
+    parts = [
+        "vLLM's ERROR lines:\n" + ("\n".join(errors)[:limit] or "(none)"),
+        "--- first traceback:\n" + (stderr[first : first + limit] if first >= 0 else "(none)"),
+        "--- stderr (end):\n" + stderr[-limit:],
+    ]
+    return "\n".join(parts)
+
+
 def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
     """Wait for the runner; its JSON result, with ``wall_s`` added (killed on timeout)."""
     try:
@@ -148,7 +162,9 @@ def finish_engine(engine: EngineProc, timeout: float = 600) -> dict[str, Any]:
             engine.proc.kill()
             engine.proc.wait()
     if engine.proc.returncode != 0:
-        raise AssertionError(f"runner failed ({engine.proc.returncode}):\n{stderr[-4000:]}")
+        raise AssertionError(
+            f"runner failed ({engine.proc.returncode}):\n{failure_report(stdout, stderr)}"
+        )
     # The JSON document is the runner's last line; Ray's log forwarding may print after it.
     documents = [line for line in stdout.splitlines() if line.startswith('{"')]
     assert documents, f"runner printed no JSON document:\n{stdout[-2000:]}"
