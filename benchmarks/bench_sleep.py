@@ -145,7 +145,7 @@ def main() -> None:
         before = tree_pss()
         slept = llm.collective_rpc(SLEEP_METHOD)
         asleep = tree_pss()
-        worker_fall = slept[0]["pss_before"] - slept[0]["pss"]
+        worker_fall = slept[0]["pss_anon_before"] - slept[0]["pss_anon"]
         start = time.perf_counter()
         woke = None if asleep_request else llm.collective_rpc(WAKE_METHOD)
         woken_at = time.perf_counter()
@@ -160,7 +160,8 @@ def main() -> None:
             "pss_before": before,
             "pss_asleep": asleep,
             "pss_fall": before - asleep,
-            # The worker's own PSS, its heap trimmed before and after: the weights' share.
+            # The worker's own PSS, its heap trimmed before and after, anonymous part (where
+            # the weights live; other processes do not move it): the weights' share.
             "worker_pss_fall": worker_fall,
             "pss_fall_of_weights": round(worker_fall / weights, 3),
             "wake_s": round(woken_at - start, 3),

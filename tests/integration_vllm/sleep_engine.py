@@ -21,10 +21,13 @@ MAX_TOKENS = 16
 
 
 def main() -> None:
-    import psutil
     from vllm import LLM, SamplingParams
 
-    from elastickv.integrations.vllm.worker.weights_sleep import SLEEP_METHOD, WAKE_METHOD
+    from elastickv.integrations.vllm.worker.weights_sleep import (
+        SLEEP_METHOD,
+        WAKE_METHOD,
+        process_pss,
+    )
 
     model, cycles = sys.argv[1], int(sys.argv[2])
     llm = LLM(
@@ -43,7 +46,11 @@ def main() -> None:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def pss() -> int:
-        return int(psutil.Process().memory_full_info().pss)
+        """The anonymous part of this process's PSS, where the weights live (other processes
+        starting or exiting move the share of the libraries' pages in the total)."""
+        anon = process_pss("Pss_Anon")
+        assert anon is not None, "/proc/self/smaps_rollup has no Pss_Anon"
+        return anon
 
     result: dict[str, Any] = {"reference": generate(), "cycles": []}
     for cycle in range(cycles):
@@ -64,8 +71,8 @@ def main() -> None:
                 "slept_again": again,
                 "woke": woke,
                 "woke_again": noop,
-                "pss_before": before,
-                "pss_asleep": asleep,
+                "pss_anon_before": before,
+                "pss_anon_asleep": asleep,
                 "wake_and_answer_s": time.perf_counter() - start,
                 "outputs": outputs,
             }

@@ -121,12 +121,18 @@ def _find_malloc_trim() -> Callable[[int], int] | None:
 _malloc_trim = _find_malloc_trim()
 
 
-def process_pss() -> int | None:
-    """This process's proportional set size in bytes (Linux), None where it cannot be read."""
+def process_pss(field: str = "Pss") -> int | None:
+    """This process's proportional set size in bytes (Linux), None where it cannot be read.
+
+    ``field="Pss_Anon"``: its anonymous part only, where a model's weights live. Total PSS
+    also counts a share of every file page the process maps with others (torch's and
+    vLLM's libraries: about 80 MB per process here), and that share moves when another
+    process mapping them starts or exits: a comparison of two readings should use this."""
+    prefix = f"{field}:"
     try:
         with open("/proc/self/smaps_rollup", encoding="ascii") as rollup:
             for line in rollup:
-                if line.startswith("Pss:"):
+                if line.startswith(prefix):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -168,11 +174,11 @@ def sleep(runner: Any) -> dict[str, Any]:
         return {"asleep": True, "released_bytes": 0, "packed_layers": 0, "pss": process_pss()}
     start = time.perf_counter()
     trim_heap()  # so that the fall measured below is the weights', not garbage's
-    pss_before = process_pss()
+    pss_before, anon_before = process_pss(), process_pss("Pss_Anon")
     emptied, released, packed = release_weights(runner.get_model())
     setattr(runner, _SLEPT, emptied)
     trim_heap()
-    pss = process_pss()
+    pss, anon = process_pss(), process_pss("Pss_Anon")
     logger.info(
         "elastickv: weights asleep: %d parameter bytes and %d packed layers released in %.3f s",
         released,
@@ -186,6 +192,8 @@ def sleep(runner: Any) -> dict[str, Any]:
         "sleep_s": time.perf_counter() - start,
         "pss_before": pss_before,
         "pss": pss,
+        "pss_anon_before": anon_before,
+        "pss_anon": anon,
     }
 
 
