@@ -1,5 +1,5 @@
-"""Sleep and wake of a running CPU engine's weights (issue 28): memory released, time to wake,
-outputs after waking.
+"""Sleep and wake of a running CPU engine's weights: memory released, time to wake, outputs
+after waking.
 
 One vLLM 0.32 engine (``LLM``, float32, greedy, elastickv on) on ``llama-100m`` (99 M random
 parameters, 376 MiB, built locally on first use). After the reference outputs, ``--cycles``
