@@ -473,6 +473,14 @@ def assert_footprint_follows_blocks(elastic: dict[str, Any]) -> tuple[int, int]:
     return idle, peak
 
 
+# -- multiprocess engine runs (0.32: the mp, ledger and validation-table tests) ---------------
+
+# One set of runner arguments for every multiprocess run of a tiny-llama engine, so that the
+# session's memoised runs (the ``runs`` fixture) start each side once for all those modules:
+# an engine start is most of a test's time. The scheduler clock costs nothing measurable.
+MP_RUN_ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching", "--scheduler-clock")
+
+
 # -- tensor parallelism (shared by the 0.28 and 0.32 TP tests) --------------------------------
 
 TP = 2

@@ -90,12 +90,23 @@ def allocate(pool: Any, num: int, hits: list[Any]) -> list[Any] | None:
     return got
 
 
+class _Waiting(list[Any]):
+    """A waiting queue with vLLM's ``peek_request``."""
+
+    def peek_request(self) -> Any:
+        return self[0]
+
+
+def waiting_request(request_id: str, num_tokens: int) -> Any:
+    return SimpleNamespace(request_id=request_id, num_tokens=num_tokens)
+
+
 def scheduler_of(pool: Any, running: int, waiting: list[int], **fields: Any) -> Any:
     """The scheduler fields the pool reads: running requests (each with one token to
     compute), waiting prompts of ``waiting`` tokens, its token budget and request limit."""
     return SimpleNamespace(
         running=[SimpleNamespace(num_tokens=1, num_computed_tokens=0) for _ in range(running)],
-        waiting=[SimpleNamespace(num_tokens=n) for n in waiting],
+        waiting=_Waiting(waiting_request(f"w{i}", n) for i, n in enumerate(waiting)),
         max_num_scheduled_tokens=fields.get("budget", 64),
         max_num_running_reqs=fields.get("max_running", 8),
         requests={},
@@ -299,6 +310,57 @@ def test_a_steps_page_operations_map_exactly_what_was_granted() -> None:
             made.close_elastic()
 
 
+QUEUE_CHANGES = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "admit", "preempt", "abort", "none"]),
+        st.integers(1, 200),  # a new request's tokens
+        st.integers(0, 7),  # which request an abort takes; how many run
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(changes=QUEUE_CHANGES)
+def test_the_waiting_demand_follows_every_change_of_the_queue(
+    changes: list[tuple[str, int, int]],
+) -> None:
+    """The demand a step forecasts (running requests plus the blocks of the prompts there
+    is room to admit, a block to spare each, at most vLLM's free blocks) is kept between
+    steps while the queue stays as it was; every change a step can see (a request added,
+    admitted, preempted back to the front or aborted, fewer or more running) is followed."""
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+    made = make_pool(32, None)
+    try:
+        scheduler = scheduler_of(made, 0, [], max_running=4)
+        queue = scheduler.waiting = FCFSRequestQueue()  # vLLM's own (a deque)
+        size = made._block_tokens
+        made.begin_step(scheduler)
+        for step, (change, tokens, which) in enumerate(changes):
+            if change == "add":
+                queue.add_request(waiting_request(f"r{step}", tokens))
+            elif change == "admit" and queue:
+                scheduler.running = [*scheduler.running, queue.pop_request()]
+            elif change == "preempt" and scheduler.running:
+                queue.prepend_request(scheduler.running.pop())
+            elif change == "abort" and queue:
+                queue.remove_request(list(queue)[which % len(queue)])
+            elif change == "none":
+                scheduler.running = scheduler.running[: which % 5]
+            made.begin_step(scheduler)
+            made.end_step(scheduler, SimpleNamespace())
+            room = 4 - len(scheduler.running)
+            prompts = sum(-(-r.num_tokens // size) + 1 for r in list(queue)[: max(room, 0)])
+            want = 0
+            if queue:
+                free = made.free_block_queue.num_free_blocks
+                want = len(scheduler.running) + (min(prompts, free) if room > 0 else 0)
+            assert made.allocator.forecast_blocks == want
+    finally:
+        made.close_elastic()
+
+
 def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:
     """An engine with requests waiting keeps the pages a finished request frees (the next
     step takes them again) instead of releasing them and committing them again; once
@@ -427,13 +489,6 @@ def test_the_prefix_cache_resets_while_the_budget_binds() -> None:
         made.close_elastic()
 
 
-class _Waiting(list[Any]):
-    """A waiting queue with vLLM's ``peek_request``."""
-
-    def peek_request(self) -> Any:
-        return self[0]
-
-
 def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> None:
     """Requests wait, none runs and the limit holds none of them: vLLM would step (and call
     every worker) a thousand times a second, each step empty. The pool says the next step
@@ -448,7 +503,7 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
         made = make_pool(32, None, policy=lambda config, device: CreditPolicy(handle))
         try:
             scheduler = scheduler_of(made, 0, [])
-            scheduler.waiting = _Waiting([SimpleNamespace(num_tokens=80)])  # 6 blocks
+            scheduler.waiting = _Waiting([waiting_request("a", 80)])  # 6 blocks
             scheduler.requests = {"a": scheduler.waiting[0]}
             scheduler.connector = None
             scheduler.finished_req_ids = set()
@@ -464,7 +519,7 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
             spell = time.monotonic() - began
             assert handle.info().refusals - asked <= 1 + spell / block_pool.CREDIT_RETRY_S
             # A new request ends the wait (vLLM may admit it, or the first one, now).
-            scheduler.waiting.append(SimpleNamespace(num_tokens=16))
+            scheduler.waiting.append(waiting_request("b", 16))
             scheduler.requests["b"] = scheduler.waiting[1]
             assert not made.waits_for_memory(scheduler)
             made.begin_step(scheduler)

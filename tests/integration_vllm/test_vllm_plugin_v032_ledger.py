@@ -17,6 +17,7 @@ from typing import Any
 import psutil
 from plugin_harness import (
     ELASTIC,
+    MP_RUN_ARGS,
     PAGE,
     finish_engine,
     footprint_bytes,
@@ -28,7 +29,7 @@ from plugin_harness import (
 from elastickv.control import open_ledger
 
 EngineRuns = Callable[..., dict[str, Any]]
-ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching")  # as the mp tests: native reused
+ARGS = MP_RUN_ARGS  # the native run is the mp tests' own (memoised)
 SERVE_ARGS = ("concurrent", "--max-tokens", "64", "--no-prefix-caching")
 LIMIT = 4 * PAGE  # the null block's slab (2 pages) + one slab: one request at a time
 

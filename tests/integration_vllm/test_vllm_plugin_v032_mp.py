@@ -11,10 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 import psutil
-from plugin_harness import ELASTIC, HOT_MAX_PAGES, PAGE, SESSION_END_S, proc_fd_opens
+from plugin_harness import (
+    ELASTIC,
+    HOT_MAX_PAGES,
+    MP_RUN_ARGS,
+    PAGE,
+    SESSION_END_S,
+    proc_fd_opens,
+)
 
 EngineRuns = Callable[..., dict[str, Any]]
-ARGS = ("all", "--max-tokens", "64", "--no-prefix-caching", "--scheduler-clock")
+ARGS = MP_RUN_ARGS  # the ledger and validation-table tests reuse these runs
 
 
 def test_mp_outputs_identical_to_native(runs: EngineRuns) -> None:

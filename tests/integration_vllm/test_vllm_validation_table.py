@@ -11,14 +11,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from plugin_harness import ELASTIC, PAGE, SERVER_MAX_TOKENS
+from plugin_harness import ELASTIC, MP_RUN_ARGS, PAGE, SERVER_MAX_TOKENS
 
 from elastickv.integrations.vllm.contract import installed_version
 
 EngineRuns = Callable[..., dict[str, Any]]
 ENGINE_TOKENS = 64
 ALL = ("all", "--max-tokens", str(ENGINE_TOKENS))
-NO_PREFIX = (*ALL, "--no-prefix-caching")
+NO_PREFIX = MP_RUN_ARGS  # ALL without prefix caching: the mp tests' runs (memoised)
 COLUMNS = (
     "Run",
     "Start-up",

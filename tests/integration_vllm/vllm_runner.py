@@ -304,23 +304,26 @@ def main() -> None:
         clock = Path(tempfile.mkdtemp(prefix="elastickv-clock-")) / "scheduler.clock"
         create_clock_file(clock)
         os.environ[SCHEDULER_CLOCK_VAR] = str(clock)  # the engine core inherits it
-    result = run(
-        args.model,
-        args.scenario,
-        args.block_size,
-        args.max_tokens,
-        not args.no_prefix_caching,
-        args.ledger_limit,
-        args.tensor_parallel_size,
-        args.dtype,
-        args.distributed_executor_backend,
-        args.barrier,
-    )
-    if clock is not None:
-        from elastickv.integrations.vllm.scheduler.scheduler_clock import read_clock
+    try:
+        result = run(
+            args.model,
+            args.scenario,
+            args.block_size,
+            args.max_tokens,
+            not args.no_prefix_caching,
+            args.ledger_limit,
+            args.tensor_parallel_size,
+            args.dtype,
+            args.distributed_executor_backend,
+            args.barrier,
+        )
+        if clock is not None:
+            from elastickv.integrations.vllm.scheduler.scheduler_clock import read_clock
 
-        result["scheduler_clock"] = dataclasses.asdict(read_clock(clock))
-        shutil.rmtree(clock.parent)
+            result["scheduler_clock"] = dataclasses.asdict(read_clock(clock))
+    finally:
+        if clock is not None:  # a failed run leaves nothing in /tmp either
+            shutil.rmtree(clock.parent, ignore_errors=True)
     sys.stdout.write("\n" + json.dumps(result) + "\n")
 
 

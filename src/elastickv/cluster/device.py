@@ -104,7 +104,15 @@ class DeviceServe:
         return self.proc.poll()
 
     async def wait_ready(self, session: aiohttp.ClientSession) -> None:
-        """Until serve answers ``/health``; RuntimeError if it exits or does not answer."""
+        """Until serve answers ``/health``; RuntimeError if it exits or does not answer.
+        Either way its configuration file is removed then: serve read it at start-up, and
+        :meth:`stop` never runs when the replica's process is killed (its node removed)."""
+        try:
+            await self._until_healthy(session)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _until_healthy(self, session: aiohttp.ClientSession) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.exited is not None:

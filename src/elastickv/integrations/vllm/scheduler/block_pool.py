@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -107,7 +108,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._next_publish = 0.0
         self._credit_retry_at = 0.0
         # Block ids freed while a batch is open (see :meth:`begin_free_batch`); None: none open.
-        self._free_batch: list[int] | None = None
+        self.free_batch: list[int] | None = None
         self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
         self._draining_revision = 0
         self._watermark: int | None = None  # vLLM's own watermark, before any headroom
@@ -118,6 +119,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._stalled_on: tuple[int, ...] | None = None
         self._before_step: tuple[int, ...] | None = None
         self._forecast = 0  # blocks the next step will likely take while requests wait
+        # :meth:`_waiting_blocks`' last sum and the queue state it was counted from (its
+        # first request held, so another cannot take its identity).
+        self._waiting_first: Any = None
+        self._waiting_len = self._waiting_room = self._waiting_sum = 0
         self.idle = True  # no step since the engine last ran out of requests
         self.refusals = 0  # steps the limit or the device budget cut short
         if self.registration is not None:
@@ -165,18 +170,19 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         admission headroom for the running requests while the limit or the device budget,
         not vLLM's own free blocks, binds."""
         self.idle = False
-        if self._free_batch:
+        if self.free_batch:
             self._flush_frees()
         now = time.monotonic()
         if now >= self._next_limit_check:
             self.sync_limit()
         running = len(scheduler.running)
-        queued = len(scheduler.waiting)
+        queue = scheduler.waiting
+        queued = len(queue)
         waiting = 0
         if queued:
             room = scheduler.max_num_running_reqs - running
             if room > 0:
-                waiting = self._waiting_blocks(scheduler.waiting, room)
+                waiting = self._waiting_blocks(queue, room, queued)
             self._forecast = running + waiting
         else:
             self._forecast = 0
@@ -244,10 +250,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         now = time.monotonic()
         if credit is not None and now >= self._credit_retry_at:
             self.sync_limit()
-            room = scheduler.max_num_running_reqs
-            self._move_credit(
-                credit, scheduler, 0, self._waiting_blocks(scheduler.waiting, room), now
-            )
+            queue = scheduler.waiting
+            waiting = self._waiting_blocks(queue, scheduler.max_num_running_reqs, len(queue))
+            self._move_credit(credit, scheduler, 0, waiting, now)
         if self._stall_key(scheduler) != key:
             self._stalled_on = None
             return False
@@ -272,16 +277,36 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
 
-    def _waiting_blocks(self, waiting: Iterable[Any], room: int) -> int:
+    def _waiting_blocks(self, waiting: Any, room: int, queued: int) -> int:
         """The blocks of the first ``room`` waiting requests (vLLM asks room for a full prompt
-        before it admits one), a block to spare each; no more than vLLM's own free blocks."""
+        before it admits one), a block to spare each; no more than vLLM's own free blocks.
+        ``queued``: the queue's length (vLLM's queues count in Python: the caller's count).
+
+        An estimate of demand (credit to hold, pages to keep hot), asked once per step about
+        a queue that mostly stays as it was: the sum is kept with the queue's length, its
+        first request and ``room``, and counted again when one of them changes (an abort
+        and an add between two steps that leave all three as they were leave the estimate
+        a step behind)."""
+        if not queued:
+            return 0
         free: int = self.free_block_queue.num_free_blocks
+        first = waiting[0] if isinstance(waiting, deque) else waiting.peek_request()
+        if (
+            first is self._waiting_first
+            and queued == self._waiting_len
+            and room == self._waiting_room
+        ):
+            blocks = self._waiting_sum
+            return blocks if blocks < free else free
         size = self._block_tokens
         blocks = 0
         for request in itertools.islice(waiting, room):
             blocks += -(-request.num_tokens // size) + 1
             if blocks >= free:
+                self._waiting_first = None  # cut short: the whole sum is not known
                 return free
+        self._waiting_first, self._waiting_len, self._waiting_room = first, queued, room
+        self._waiting_sum = blocks
         return blocks
 
     def _running_blocks(self, scheduler: Any) -> int:
@@ -394,23 +419,23 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         frees its blocks: collect the blocks that go back to the allocator and hand them over
         in one call at :meth:`end_free_batch` (one lock and one pass over the slabs instead of
         one per request). vLLM's own free queue is updated at once, as always."""
-        if self._free_batch is None:
-            self._free_batch = []
+        if self.free_batch is None:
+            self.free_batch = []
 
     def end_free_batch(self) -> None:
         """Hand the batch's blocks to the allocator and close the batch (closed first, so a
         failing free leaves no batch open)."""
-        batch, self._free_batch = self._free_batch, None
+        batch, self.free_batch = self.free_batch, None
         if batch:
-            self._hand_over(batch)
+            self.hand_over(batch)
 
     def _flush_frees(self) -> None:
-        batch = self._free_batch
+        batch = self.free_batch
         if batch:
-            self._free_batch = []
-            self._hand_over(batch)
+            self.free_batch = []
+            self.hand_over(batch)
 
-    def _hand_over(self, batch: list[int]) -> None:
+    def hand_over(self, batch: list[int]) -> None:
         """Free a batch's blocks in one allocator call (a block listed twice, once)."""
         if len(set(batch)) != len(batch):
             batch = list(dict.fromkeys(batch))
@@ -423,7 +448,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         hot pages, then evict parked prefix-cache blocks, while the engine is over it. Once
         per scheduler step; reads the ledger at most every ``LIMIT_CHECK_INTERVAL_S``.
         Returns pages released."""
-        if self._free_batch:
+        if self.free_batch:
             self._flush_frees()
         credit = self.credit
         if credit is None:
@@ -507,11 +532,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         queue = self.free_block_queue
         if num_blocks > queue.num_free_blocks:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        if self._free_batch:
+        if self.free_batch:
             self._flush_frees()  # blocks freed earlier in this batch may be needed now
         allocator = self.allocator
+        # The free count kept for vLLM (see get_num_free_blocks) stays exact when the blocks
+        # come from committed pages alone: it falls by the blocks taken, and the next ask
+        # need not count again (vLLM asks again right after, for the next request).
+        kept = (
+            queue.num_free_blocks == self._seen_free
+            and allocator.state_version == self._seen_version
+        )
+        warm = allocator.warm_free_blocks
+        committed = allocator.num_committed_pages
         chosen = allocator.allocate(num_blocks)
         while chosen is None:
+            kept = False
             short = num_blocks - allocator.blocks_within(self._policy.available_bytes(), num_blocks)
             if not self._evict_parked(max(1, short)):
                 raise ElasticCapacityError(
@@ -532,6 +567,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             remove(block)
         if self._reuse_watchers:
             self._notify_reuse(ret)
+            kept = False
+        if (
+            kept
+            and allocator.warm_free_blocks == warm - num_blocks
+            and allocator.num_committed_pages == committed
+        ):  # warm blocks only, nothing committed or evicted: the room fell by exactly these
+            self._free_answer -= num_blocks
+            self._seen_free = queue.num_free_blocks
+            self._seen_version = allocator.state_version
         metrics = self.metrics_collector
         if self.enable_caching:
             evict = self._maybe_evict_cached_block
@@ -590,8 +634,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             return
         if len(released) > 1 and len(set(released)) != len(released):
             released = list(dict.fromkeys(released))  # a block listed twice is freed once
-        if self._free_batch is not None:
-            self._free_batch.extend(released)
+        if self.free_batch is not None:
+            self.free_batch.extend(released)
         else:
             self.allocator.free(released)
 

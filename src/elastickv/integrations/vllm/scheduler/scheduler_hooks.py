@@ -46,13 +46,21 @@ SCHEDULE_HOOK = (
     return output
 """
 )
+# ``begin_free_batch`` / ``end_free_batch``, inlined (this runs on every step): the
+# finished requests' blocks reach the allocator at once. The batch is read again at the end:
+# an allocation inside hands over what was freed before it and opens a new list.
 UPDATE_HOOK = (
     _STEP_HOOK_START
-    + """    pool.begin_free_batch()  # finished requests' blocks reach the allocator at once
+    + """    if pool.free_batch is not None:  # a batch is open already
+        return original({arguments})
+    pool.free_batch = []
     try:
         return original({arguments})
     finally:
-        pool.end_free_batch()
+        batch = pool.free_batch
+        pool.free_batch = None
+        if batch:
+            pool.hand_over(batch)
 """
 )
 
