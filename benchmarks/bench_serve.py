@@ -17,8 +17,14 @@ from each engine), wake latency, memory-seconds; and static/elastic ratios. The 
 proven from the static arm's own counters: it must preempt or queue for the comparison to
 mean anything, and the report says so when it did not.
 
+With ``--repeat N`` both arms run N times (fresh processes each time, the arm that goes
+first alternating) and every static/elastic ratio is reported as the median of the N runs
+with a bootstrap interval (one run on two cores moves a p99 ratio by half); the JSON carries
+each run's report.
+
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
         [--workloads ramp,correlated,idle] [--peak 12] [--budget 4608K] [--quick]
+        [--repeat N]
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import aiohttp
 from elastickv.bench.client import Result, run_schedule
 from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run
+from elastickv.bench.repeats import RATIOS, over_runs
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
 from elastickv.ports import free_port
@@ -243,6 +250,33 @@ def report(
     return doc
 
 
+def print_over_runs(doc: dict[str, Any]) -> None:
+    print(f"\n== ratios over {doc['repeats']} runs (static / elastic): median [bootstrap 95 %]")
+    for name, models in doc["ratios"].items():
+        for model, row in models.items():
+            cells = []
+            for key in RATIOS:
+                found = row[key]
+                label = key.removeprefix("ratio_")
+                if found["median"] is None:
+                    cells.append(f"{label} -")
+                    continue
+                runs = ", ".join("-" if v is None else f"{v:.2f}" for v in found["runs"])
+                cells.append(
+                    f"{label} {found['median']:.2f}x [{found['low']:.2f}, {found['high']:.2f}]"
+                    f" ({runs})"
+                )
+            print(f"   {name:10} {model:16} " + "; ".join(cells))
+    if "target" in doc:
+        t = doc["target"]
+        print(
+            f"target on ramp, medians (p99 ratio >= {TARGET_P99}, mean >= {TARGET_MEAN}, 0 "
+            f"failed in every run): {'met' if t['met'] else 'missed'} (p99 "
+            f"{t['p99_ttft_ratio']}, mean {t['mean_ttft_ratio']}, elastic failures "
+            f"{t['elastic_failed']})"
+        )
+
+
 def _fmt(value: float | None, unit: str = "s") -> str:
     if value is None:
         return "-"
@@ -310,7 +344,17 @@ def main() -> None:
     parser.add_argument("--budget", default="4608K", help="B, the KV bytes the models share")
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--quick", action="store_true", help="the ramp workload only")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run both arms N times; ratios as the median of the runs with a bootstrap "
+        "interval (1)",
+    )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     names = ["ramp"] if args.quick else [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = set(names) - {"ramp", "correlated", "idle"}
     if unknown:
@@ -319,11 +363,26 @@ def main() -> None:
         )
     budget = parse_size(args.budget)
     plan = workloads(names, args.peak, Shape(prompt_tokens=args.prompt))
-    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-        work = Path(tmp)
-        static = run_arm("static", budget, work, plan)
-        elastic = run_arm("elastic", budget, work, plan)
-    doc = report(static, elastic, names, budget)
+    runs: list[dict[str, Any]] = []
+    arms: dict[str, dict[str, Any]] = {}
+    for index in range(args.repeat):
+        if args.repeat > 1:
+            print(f"run {index + 1} of {args.repeat}", file=sys.stderr)
+        order = ("static", "elastic") if index % 2 == 0 else ("elastic", "static")
+        with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+            done = {mode: run_arm(mode, budget, Path(tmp), plan) for mode in order}
+        arms = arms or done  # the first run's arms are the ones plotted
+        runs.append(report(done["static"], done["elastic"], names, budget))
+    static, elastic = arms["static"], arms["elastic"]
+    doc = (
+        runs[0]
+        if args.repeat == 1
+        else {
+            **runs[0],
+            **over_runs(runs, TARGET_P99, TARGET_MEAN),
+            "runs": runs,
+        }
+    )
     if args.plot:  # after the report: a missing matplotlib costs the picture, not the numbers
         chosen = names[0]
         plot_run(
@@ -339,8 +398,13 @@ def main() -> None:
         doc["plot"] = str(args.plot)
     if args.json:
         print(json.dumps(doc, default=str))
-    else:
-        print_table(doc)
+        return
+    for index, run in enumerate(runs):
+        if args.repeat > 1:
+            print(f"\n######## run {index + 1} of {args.repeat}")
+        print_table(run)
+    if args.repeat > 1:
+        print_over_runs(doc)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,35 @@ def memory_seconds(samples: Sequence[tuple[float, Mapping[str, int]]]) -> dict[s
     return totals
 
 
+def median_interval(
+    values: Sequence[float], confidence: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """The median of ``values`` (one per repeated run) and a percentile-bootstrap interval
+    for it at ``confidence``: the runs resampled with replacement ``resamples`` times
+    (seeded: the same runs give the same interval). With few runs the interval is wide (with
+    three it spans about their range): it says how far one more run could move the median.
+    ``n`` is the number of runs; every field but ``n`` is None without any."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be between 0 and 1, got {confidence}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be at least 1, got {resamples}")
+    data = np.asarray([float(v) for v in values], dtype=float)
+    if data.size == 0:
+        return {"median": None, "low": None, "high": None, "n": 0}
+    if not np.all(np.isfinite(data)):
+        raise ValueError(f"every value must be a finite number, got {values!r}")
+    picks = np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))
+    medians = np.median(data[picks], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return {
+        "median": float(np.median(data)),
+        "low": float(low),
+        "high": float(high),
+        "n": int(data.size),
+    }
+
+
 def ratio(static: float | None, elastic: float | None) -> float | None:
     if static is None or elastic is None or elastic <= 0:
         return None
