@@ -23,7 +23,7 @@ with a bootstrap interval (one run on two cores moves a p99 ratio by half); the 
 each run's report.
 
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
-        [--workloads ramp,correlated,idle] [--peak 12] [--budget 4608K] [--quick]
+        [--workloads ramp,correlated,idle] [--peak 12] [--budget 4992K] [--quick]
         [--repeat N]
 """
 
@@ -51,13 +51,17 @@ from elastickv.bench.plot import plot_run
 from elastickv.bench.repeats import RATIOS, over_runs
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
+from elastickv.models import get_builtin_model
 from elastickv.ports import free_port
 from elastickv.serve.engine import stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 
 MODELS = ("tiny-llama", "tiny-llama-bf16", "tiny-llama-deep")
-ENGINE_ARGS = ["--enforce-eager", "--max-model-len", "384", "--block-size", "32"]
+MAX_MODEL_LEN, BLOCK_SIZE = 384, 32
+ENGINE_ARGS = [
+    "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)
+]  # fmt: skip
 PAGE = "64K"
 # Guaranteed KV per model: at least one max-length request each (384 tokens × 1, 2.25 and
 # 4 KiB per token), so every model can always make progress.
@@ -72,6 +76,34 @@ TARGET_P99, TARGET_MEAN = 2.0, 1.25
 # requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
 # a longer wait means no KV room; the waiting gauge is only sampled once a second).
 QUEUED_MEAN_S = 0.02
+
+
+def static_floor(model: str) -> int:
+    """The KV cache native vLLM needs to start ``model`` (each model runs in its own dtype):
+    one max-length request's blocks plus the null block vLLM keeps for itself."""
+    blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
+    return blocks * BLOCK_SIZE * get_builtin_model(model).kv_bytes_per_token
+
+
+def smallest_budget() -> int:
+    """The smallest B whose static split (B / models each) starts every model: 4992 KiB, the
+    float32 ``tiny-llama-deep``'s 13 blocks of 128 KiB, three times."""
+    return max(map(static_floor, MODELS)) * len(MODELS)
+
+
+def budget_error(budget: int) -> str | None:
+    """Why the static arm could not start under ``budget`` (None: it can)."""
+    share = budget // len(MODELS)
+    for model in MODELS:
+        need = static_floor(model)
+        if share < need:
+            return (
+                f"--budget {budget // 1024}K: the static arm gives each of the {len(MODELS)} "
+                f"models {share // 1024}K, and {model} needs {need // 1024}K to start (one "
+                f"{MAX_MODEL_LEN}-token request and vLLM's null block); use --budget "
+                f"{smallest_budget() // 1024}K or more"
+            )
+    return None
 
 
 def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
@@ -341,7 +373,11 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="write the picture of the ramp workload (PNG)")
     parser.add_argument("--workloads", default="ramp,correlated,idle")
     parser.add_argument("--peak", type=int, default=12, help="P: peak requests/s of a ramp")
-    parser.add_argument("--budget", default="4608K", help="B, the KV bytes the models share")
+    parser.add_argument(
+        "--budget",
+        help="B, the KV bytes the models share (default: the smallest whose static split "
+        f"starts every model, {smallest_budget() // 1024}K)",
+    )
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--quick", action="store_true", help="the ramp workload only")
     parser.add_argument(
@@ -361,7 +397,12 @@ def main() -> None:
         parser.error(
             f"unknown workload(s) {', '.join(sorted(unknown))}; use ramp, correlated, idle"
         )
-    budget = parse_size(args.budget)
+    try:
+        budget = smallest_budget() if args.budget is None else parse_size(args.budget)
+    except ValueError as exc:
+        parser.error(f"--budget: {exc}")
+    if (why := budget_error(budget)) is not None:
+        parser.error(why)
     plan = workloads(names, args.peak, Shape(prompt_tokens=args.prompt))
     runs: list[dict[str, Any]] = []
     arms: dict[str, dict[str, Any]] = {}
