@@ -54,7 +54,10 @@ def test_the_ranks_follow_the_rule(
     assert load[new_copy] == fewest
     if any(r.node_id == local and load[r.replica_id] == fewest for r in others):
         assert next(r for r in replicas if r.replica_id == new_copy).node_id == local
-    assert set(ids) == {r.replica_id for r in replicas}  # holders and the rest follow
+    # Only the holders follow: a busy chosen replica never sends a new copy elsewhere (a rank
+    # of every other replica made a second copy whenever the chosen one answered Ray's queue
+    # probe late, seen on a loaded machine).
+    assert set(ids) == {new_copy} | holders
 
 
 @settings(max_examples=200, deadline=None)

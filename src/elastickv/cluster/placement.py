@@ -13,7 +13,12 @@ The rule, for a model wanted on ``copies`` replicas (1, or more for a hot model)
 * held by at least ``copies`` replicas (or by every live one): those replicas only (the least
   busy of them takes it);
 * else a new copy: the replica holding the fewest models among those without it, the one on
-  the router's own node first on a tie; if it is busy, the holders, then any other.
+  the router's own node first on a tie; if it is busy, the holders, never another replica.
+  A new copy goes only where the rule chose: Ray Serve moves to the next rank when no
+  replica of a rank answers its queue probe in time, and a rank of "any other" replica made a
+  second copy (a second engine start) whenever the chosen one answered late on a loaded
+  machine. The request waits for the chosen replica instead (one that is gone leaves the
+  candidates, and the rule chooses again).
 """
 
 from __future__ import annotations
@@ -58,7 +63,6 @@ def rank(
 
     chosen = min(others, key=preference)
     ranks = [[chosen.replica_id], [r.replica_id for r in holders]]
-    ranks.append([r.replica_id for r in others if r is not chosen])
     return [group for group in ranks if group], chosen.replica_id
 
 
