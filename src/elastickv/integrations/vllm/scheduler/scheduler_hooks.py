@@ -100,7 +100,7 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
 
         def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
             pool = _elastic_pool(self)
-            if pool is None:
+            if pool is None or pool.free_batch is not None:  # as UPDATE_HOOK: not ours to close
                 return original(self, *args, **kwargs)
             pool.begin_free_batch()
             try:
