@@ -22,9 +22,16 @@ first alternating) and every static/elastic ratio is reported as the median of t
 with a bootstrap interval (one run on two cores moves a p99 ratio by half); the JSON carries
 each run's report.
 
+With ``--sweep`` it answers the capacity question instead: for each arm, the smallest budget
+at which the ramp meets a TTFT p99 target with no failure (each budget judged by the median
+of ``--repeat`` runs, found by doubling then geometric bisection: ``elastickv.bench.sweep``),
+and B_static / B_elastic with the interval the two brackets leave.
+
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
         [--workloads ramp,correlated,idle] [--peak 12] [--budget 4992K] [--quick]
-        [--repeat N]
+        [--repeat N] [--min-kv request|floor]
+    .venv/bin/python benchmarks/bench_serve.py --sweep [--slo 1.0] [--repeat 3]
+        [--resolution 1.2] [--sweep-max 48M] [--arms static,elastic] [--json] [--plot F]
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +54,12 @@ import aiohttp
 
 from elastickv.bench.client import Result, run_schedule
 from elastickv.bench.monitor import Monitor, serve_ready
-from elastickv.bench.plot import plot_run
+from elastickv.bench.plot import plot_run, plot_sweep
 from elastickv.bench.repeats import RATIOS, over_runs
 from elastickv.bench.stats import memory_seconds, per_model, ratio
+from elastickv.bench.sweep import Search, Trial, capacity_ratio, judge, smallest_passing
 from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
+from elastickv.integrations.vllm.worker.capacity import page_aligned_blocks
 from elastickv.models import get_builtin_model
 from elastickv.ports import free_port
 from elastickv.serve.engine import stop_session
@@ -63,9 +72,17 @@ ENGINE_ARGS = [
     "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)
 ]  # fmt: skip
 PAGE = "64K"
+PAGE_BYTES = parse_size(PAGE)
 # Guaranteed KV per model: at least one max-length request each (384 tokens × 1, 2.25 and
 # 4 KiB per token), so every model can always make progress.
 MIN_KV = {"tiny-llama": 512 << 10, "tiny-llama-bf16": 1 << 20, "tiny-llama-deep": 1536 << 10}
+# ``--min-kv floor``: the least an engine starts with, its null block's pages (one per layer
+# in these layer-major layouts). A model then waits for room the others hold instead of always
+# having one request's worth, and B is about the working set.
+MIN_KV_CHOICES = {
+    "request": MIN_KV,
+    "floor": {m: get_builtin_model(m).num_hidden_layers * PAGE_BYTES for m in MODELS},
+}
 RELEASE_AFTER_S = 5
 # Longer than any model waits for its burst in a ramp (2 × (P/4 + 2P) s: 54 s at P = 12), so
 # the ramp measures memory, not engine start-ups; the idle workload's gaps are longer still.
@@ -91,6 +108,28 @@ def smallest_budget() -> int:
     return max(map(static_floor, MODELS)) * len(MODELS)
 
 
+def elastic_floor(model: str) -> int:
+    """The virtual capacity an elastic engine needs to start ``model``: the static floor's
+    blocks rounded up to a count whose bytes fill whole pages in every layer (elastickv
+    advertises such counts: the float32 deep model's layers take 32 KiB a block, so its 13
+    blocks become 14 on 64 KiB pages)."""
+    spec = get_builtin_model(model)
+    block = BLOCK_SIZE * spec.kv_bytes_per_token
+    layers = [block // spec.num_hidden_layers] * spec.num_hidden_layers
+    align = page_aligned_blocks(layers, PAGE_BYTES)
+    blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
+    return -(-blocks // align) * align * block
+
+
+def smallest_elastic_budget(min_kv: Mapping[str, int] = MIN_KV) -> int:
+    """The smallest B ``elastickv serve`` starts these models with: every ``min_kv``, and
+    each engine's capacity (B less the others' ``min_kv``) its :func:`elastic_floor`
+    (3328 KiB: the deep model's 1792K beside the other two floors; 2112K with ``floor``)."""
+    floors = sum(min_kv.values())
+    need = max(elastic_floor(m) + floors - min_kv[m] for m in MODELS)
+    return -(-max(floors, need) // PAGE_BYTES) * PAGE_BYTES
+
+
 def budget_error(budget: int) -> str | None:
     """Why the static arm could not start under ``budget`` (None: it can)."""
     share = budget // len(MODELS)
@@ -106,7 +145,9 @@ def budget_error(budget: int) -> str | None:
     return None
 
 
-def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
+def config_text(
+    mode: str, budget: int, port: int, log_dir: Path, min_kv: Mapping[str, int] = MIN_KV
+) -> str:
     lines = [
         f'python = "{find_engine_python()}"',
         f'log_dir = "{log_dir}"',
@@ -123,19 +164,23 @@ def config_text(mode: str, budget: int, port: int, log_dir: Path) -> str:
             "[[model]]",
             f'model = "{model}"',
             f"args = {json.dumps(ENGINE_ARGS)}",
-            f"min_kv = {MIN_KV[model]}",
+            f"min_kv = {min_kv[model]}",
             f'release_after = "{RELEASE_AFTER_S}s"',
             f'stop_after = "{STOP_AFTER_S}s"',
         ]
     return "\n".join(lines) + "\n"
 
 
+class ArmStartError(RuntimeError):
+    """An arm's ``elastickv serve`` did not become ready (its log's tail is the message)."""
+
+
 @contextlib.contextmanager
-def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
+def serve(mode: str, budget: int, work: Path, min_kv: Mapping[str, int] = MIN_KV) -> Iterator[str]:
     """``elastickv serve`` for one arm, in its own session; yields the router URL."""
     port = free_port()
     config = work / f"{mode}.toml"
-    config.write_text(config_text(mode, budget, port, work / f"{mode}-logs"))
+    config.write_text(config_text(mode, budget, port, work / f"{mode}-logs", min_kv))
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -155,7 +200,7 @@ def serve(mode: str, budget: int, work: Path) -> Iterator[str]:
         deadline = time.monotonic() + 900
         while not serve_ready(base):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{mode} arm did not start:\n{log.read_text()[-3000:]}")
+                raise ArmStartError(f"{mode} arm did not start:\n{log.read_text()[-3000:]}")
             time.sleep(1)
         yield base
     finally:
@@ -201,10 +246,13 @@ def workloads(names: list[str], peak: int, shape: Shape) -> dict[str, list[Any]]
     return {name: table[name]() for name in names}
 
 
-def run_arm(mode: str, budget: int, work: Path, plan: dict[str, list[Any]]) -> dict[str, Any]:
+def run_arm(
+    mode: str, budget: int, work: Path, plan: dict[str, list[Any]],
+    min_kv: Mapping[str, int] = MIN_KV,
+) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {}
     started = time.monotonic()
-    with serve(mode, budget, work) as base:
+    with serve(mode, budget, work, min_kv) as base:
         out["startup_s"] = round(time.monotonic() - started, 1)
         for name, arrivals in plan.items():
             print(f"  {mode}: workload {name} ({len(arrivals)} requests)", file=sys.stderr)
@@ -280,6 +328,127 @@ def report(
             ),
         }
     return doc
+
+
+def sweep_arm(
+    mode: str, plan: dict[str, list[Any]], low: int, args: argparse.Namespace,
+    runs: list[dict[str, Any]],
+) -> Search:  # fmt: skip
+    """The smallest budget at which ``mode`` meets the target on ``plan`` (one workload):
+    each run a fresh ``elastickv serve``; every run's summary appended to ``runs``."""
+    step = PAGE_BYTES * (len(MODELS) if mode == "static" else 1)
+    high = max(low, -(-args.sweep_max // step) * step)
+
+    def run(budget: int) -> Trial:
+        (name,) = plan
+        try:
+            with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+                out = run_arm(mode, budget, Path(tmp), plan, MIN_KV_CHOICES[args.min_kv])
+        except ArmStartError as exc:  # a budget the arm cannot start with misses the target
+            print(f"  {mode} at {format_bytes(budget)}: {exc}", file=sys.stderr)
+            runs.append({"arm": mode, "budget_bytes": budget, "start_error": str(exc)[-600:]})
+            return Trial(None, len(plan[name]))
+        summary = out[name]["summary"]
+        trial = Trial(summary["all"]["ttft_p99"], summary["all"]["failed"])
+        runs.append({
+            "arm": mode,
+            "budget_bytes": budget,
+            "startup_s": out["startup_s"],
+            "ttft_p99_s": {m: summary[m]["ttft_p99"] for m in [*MODELS, "all"]},
+            "ttft_mean_s": summary["all"]["ttft_mean"],
+            "failed": trial.failed,
+            "preemptions": out[name]["preemptions"],
+            "max_waiting": out[name]["max_waiting"],
+            "peak_total_bytes": out[name]["peak_total_bytes"],
+        })  # fmt: skip
+        verdict = "meets" if trial.passes(args.slo) else "misses"
+        print(
+            f"  {mode} at {format_bytes(budget)}: TTFT p99 {_fmt(trial.ttft_p99)}, "
+            f"{trial.failed} failed: {verdict} the target",
+            file=sys.stderr,
+        )
+        return trial
+
+    return smallest_passing(
+        lambda budget: judge(run, budget, args.repeat, args.slo), low, high, step,
+        args.resolution,
+    )  # fmt: skip
+
+
+def sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> dict[str, Any]:
+    """``--sweep``: B_static and B_elastic for the target, and their ratio."""
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    lows = {
+        "static": smallest_budget(),
+        "elastic": smallest_elastic_budget(MIN_KV_CHOICES[args.min_kv]),
+    }
+    lows = {mode: lows[mode] for mode in args.arms}
+    searches = {mode: sweep_arm(mode, plan, low, args, runs) for mode, low in lows.items()}
+    ((name, arrivals),) = plan.items()
+    return {
+        "sweep": {
+            "target": {"ttft_p99_s": args.slo, "failed": 0},
+            "workload": {
+                "name": name, "peak": args.peak, "prompt_tokens": args.prompt,
+                "output_tokens": [32, 64], "requests": len(arrivals), "models": list(MODELS),
+            },
+            "repeats": args.repeat,
+            "resolution": args.resolution,
+            "arms": {
+                mode: {"search_from_bytes": lows[mode], **search.as_json()}
+                for mode, search in searches.items()
+            },
+            "elastic_min_kv_bytes": MIN_KV_CHOICES[args.min_kv],
+            "capacity_ratio": (
+                capacity_ratio(searches["static"], searches["elastic"])
+                if len(searches) == 2
+                else {"ratio": None, "low": None, "high": None}
+            ),
+            "seconds": round(time.monotonic() - started),
+            "runs": runs,
+        }
+    }  # fmt: skip
+
+
+def print_sweep(doc: dict[str, Any]) -> None:
+    found = doc["sweep"]
+    target, workload = found["target"], found["workload"]
+    print(
+        f"target: TTFT p99 <= {target['ttft_p99_s']} s over all models, 0 failed; workload "
+        f"{workload['name']} at P = {workload['peak']} ({workload['requests']} requests); "
+        f"each budget judged by the median of {found['repeats']} runs"
+    )
+    for mode, arm in found["arms"].items():
+        print(f"\n== {mode}")
+        for point in arm["points"]:
+            each = ", ".join(
+                _fmt(p) + (f" ({f} failed)" if f else "")
+                for p, f in zip(point["ttft_p99_s"], point["failed"], strict=True)
+            )
+            verdict = "meets" if point["passed"] else "misses"
+            print(
+                f"   {format_bytes(point['budget_bytes']):>10}: {verdict}, median TTFT p99 "
+                f"{_fmt(point['median_ttft_p99_s'])} (runs: {each})"
+            )
+        smallest = arm["smallest_passing_bytes"]
+        print(
+            f"   smallest budget meeting the target: "
+            f"{format_bytes(smallest) if smallest else 'none in the range'}"
+            + (
+                f" (misses at {format_bytes(arm['largest_failing_bytes'])})"
+                if arm["largest_failing_bytes"]
+                else ""
+            )
+        )
+    ratio_ = found["capacity_ratio"]
+    if ratio_["ratio"] is None:
+        print("\nB_static / B_elastic: - (an arm never met the target in its range)")
+    else:
+        print(
+            f"\nB_static / B_elastic = {ratio_['ratio']:.2f} (interval the brackets leave: "
+            f"{ratio_['low']:.2f} to {ratio_['high']:.2f}); {found['seconds'] / 60:.0f} min"
+        )
 
 
 def print_over_runs(doc: dict[str, Any]) -> None:
@@ -367,6 +536,34 @@ def print_table(doc: dict[str, Any]) -> None:
     print(f"wake latency (elastic, mean s by model/tier): {doc['wake_latency_s']}")
 
 
+def sweep_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a sweep's bad options before anything starts."""
+    if args.repeat % 2 == 0:
+        parser.error(f"--repeat must be odd with --sweep (a median of runs), got {args.repeat}")
+    if args.slo <= 0:
+        parser.error(f"--slo must be a positive number of seconds, got {args.slo}")
+    if args.resolution <= 1:
+        parser.error(f"--resolution must be above 1, got {args.resolution}")
+    if args.budget is not None:
+        parser.error("--budget and --sweep exclude each other: the sweep chooses the budgets")
+    args.arms = [a.strip() for a in (args.arms or "static,elastic").split(",") if a.strip()]
+    if (
+        not args.arms
+        or set(args.arms) - {"static", "elastic"}
+        or len(set(args.arms)) < len(args.arms)
+    ):
+        parser.error(f"--arms takes static, elastic or both, got {','.join(args.arms)!r}")
+    try:
+        args.sweep_max = parse_size(args.sweep_max)
+    except ValueError as exc:
+        parser.error(f"--sweep-max: {exc}")
+    if args.sweep_max < smallest_budget():
+        parser.error(
+            f"--sweep-max {args.sweep_max // 1024}K is below the smallest budget the static "
+            f"arm starts with, {smallest_budget() // 1024}K"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -383,27 +580,89 @@ def main() -> None:
     parser.add_argument(
         "--repeat",
         type=int,
-        default=1,
         metavar="N",
         help="run both arms N times; ratios as the median of the runs with a bootstrap "
-        "interval (1)",
+        "interval (1); with --sweep, the runs that judge each budget (odd, 3)",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="find each arm's smallest budget meeting the target on the ramp, and their ratio",
+    )
+    parser.add_argument(
+        "--slo", type=float, default=1.0, help="--sweep's target: TTFT p99 in seconds (1.0)"
+    )
+    parser.add_argument(
+        "--sweep-max", default="48M", help="--sweep's largest budget tried per arm (48M)"
+    )
+    parser.add_argument(
+        "--min-kv",
+        choices=sorted(MIN_KV_CHOICES),
+        default="request",
+        help="each model's min_kv in the elastic arm: one max-length request's blocks "
+        "(request, default) or the least its engine starts with, its null block's pages "
+        "(floor)",
+    )
+    parser.add_argument(
+        "--arms",
+        help="--sweep's arms, searched in this order (static,elastic)",
+    )
+    parser.add_argument(
+        "--resolution",
+        type=float,
+        default=1.2,
+        help="--sweep stops when the smallest passing budget is within this factor of the "
+        "largest failing one (1.2)",
     )
     args = parser.parse_args()
+    if args.repeat is None:
+        args.repeat = 3 if args.sweep else 1
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     names = ["ramp"] if args.quick else [w.strip() for w in args.workloads.split(",") if w.strip()]
+    if args.sweep:
+        names = ["ramp"]
     unknown = set(names) - {"ramp", "correlated", "idle"}
     if unknown:
         parser.error(
             f"unknown workload(s) {', '.join(sorted(unknown))}; use ramp, correlated, idle"
         )
-    try:
-        budget = smallest_budget() if args.budget is None else parse_size(args.budget)
-    except ValueError as exc:
-        parser.error(f"--budget: {exc}")
-    if (why := budget_error(budget)) is not None:
-        parser.error(why)
+    if args.sweep:
+        sweep_errors(parser, args)
+    elif args.arms is not None:
+        parser.error("--arms chooses the arms of --sweep; a comparison runs both")
+    else:
+        try:
+            args.budget = smallest_budget() if args.budget is None else parse_size(args.budget)
+        except ValueError as exc:
+            parser.error(f"--budget: {exc}")
+        if (why := budget_error(args.budget)) is not None:
+            parser.error(why)
     plan = workloads(names, args.peak, Shape(prompt_tokens=args.prompt))
+    try:
+        if args.sweep:
+            run_sweep(args, plan)
+        else:
+            compare(args, names, plan)
+    except ArmStartError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def run_sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> None:
+    found = sweep(args, plan)
+    if args.plot:
+        found["sweep"]["plot"] = str(args.plot)
+    if args.json:
+        print(json.dumps(found), flush=True)
+    else:
+        print_sweep(found)
+    if args.plot:  # after the numbers: a missing matplotlib costs the picture only
+        plot_sweep(args.plot, found["sweep"])
+
+
+def compare(args: argparse.Namespace, names: list[str], plan: dict[str, list[Any]]) -> None:
+    """Both arms at one budget, ``--repeat`` times, and their ratios."""
+    budget = args.budget
     runs: list[dict[str, Any]] = []
     arms: dict[str, dict[str, Any]] = {}
     for index in range(args.repeat):
@@ -411,7 +670,10 @@ def main() -> None:
             print(f"run {index + 1} of {args.repeat}", file=sys.stderr)
         order = ("static", "elastic") if index % 2 == 0 else ("elastic", "static")
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-            done = {mode: run_arm(mode, budget, Path(tmp), plan) for mode in order}
+            done = {
+                mode: run_arm(mode, budget, Path(tmp), plan, MIN_KV_CHOICES[args.min_kv])
+                for mode in order
+            }
         arms = arms or done  # the first run's arms are the ones plotted
         runs.append(report(done["static"], done["elastic"], names, budget))
     static, elastic = arms["static"], arms["elastic"]

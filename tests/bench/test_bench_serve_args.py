@@ -34,6 +34,14 @@ def test_a_budget_the_static_arm_cannot_start_under_is_refused_first() -> None:
         (["--repeat", "0"], "--repeat must be at least 1"),
         (["--budget", "12Q"], "--budget: invalid size '12Q'"),
         (["--workloads", "ramp,flood"], "unknown workload(s) flood"),
+        (["--sweep", "--repeat", "2"], "--repeat must be odd with --sweep"),
+        (["--sweep", "--slo", "0"], "--slo must be a positive number of seconds"),
+        (["--sweep", "--resolution", "1"], "--resolution must be above 1"),
+        (["--sweep", "--budget", "8M"], "--budget and --sweep exclude each other"),
+        (["--sweep", "--sweep-max", "2M"], "below the smallest budget the static arm starts"),
+        (["--sweep", "--sweep-max", "9Q"], "--sweep-max: invalid size '9Q'"),
+        (["--sweep", "--arms", "static,gpu"], "--arms takes static, elastic or both"),
+        (["--arms", "elastic"], "--arms chooses the arms of --sweep"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(args: list[str], message: str) -> None:

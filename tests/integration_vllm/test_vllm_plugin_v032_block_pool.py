@@ -209,16 +209,17 @@ def test_credit_follows_the_steps_demand_in_the_ledger(tmp_path: Path) -> None:
             scheduler = scheduler_of(made, 2, [40, 80], budget=16)  # 3 and 6 blocks
             made.begin_step(scheduler)
             # Ample for the step: 2 running (a block each), the step's token budget in blocks
-            # (16 tokens: 1), both prompts with a block to spare each.
-            assert made.credit.credit_bytes == (2 + 1 + 4 + 6) * PAGE
+            # (16 tokens: 1), both prompts with a block to spare each: 13; asked for with half
+            # as much again (no limit), so the next steps need not count.
+            assert made.credit.credit_bytes == (13 + 6) * PAGE
             assert handle.info().reserved_bytes == made.credit.credit_bytes
             free = made.get_num_free_blocks()
-            assert free == 13
+            assert free == 19
             taken = made.get_new_blocks(free)
             assert made.credit.credit_bytes == 0
             made.free_blocks(reversed(taken))
-            ops = made.take_page_ops()  # the null block's page, then the 13
-            assert ops is not None and ops.committed_pages == 14
+            ops = made.take_page_ops()  # the null block's page, then the 19
+            assert ops is not None and ops.committed_pages == 20
             made.went_idle()  # credit and released pages go back to the device
             info = handle.info()
             assert (info.committed_bytes, info.reserved_bytes) == (PAGE, 0)
@@ -229,6 +230,48 @@ def test_credit_follows_the_steps_demand_in_the_ledger(tmp_path: Path) -> None:
             info = handle.info()
             assert info.used_bytes <= 6 * PAGE and info.committed_bytes == PAGE
             assert made.get_num_free_blocks() == 5  # the credit the limit leaves
+        finally:
+            made.close_elastic()
+            handle.close()
+
+
+def test_credit_short_of_the_ample_demand_is_topped_up_once(tmp_path: Path) -> None:
+    """Credit that covers the running requests' exact demand but not the ample one is topped
+    up to the ample demand and half as much again (one ledger operation), so the steps after
+    it do not count the running requests again; under a limit that leaves room for the ample
+    demand only, that is what is asked for."""
+    with open_ledger(directory=str(tmp_path), total_bytes=256 * PAGE, utilization=1.0) as ledger:
+        handle = ledger.register("engine")
+        made = make_pool(64, None, policy=lambda config, device: CreditPolicy(handle))
+        counted: list[int] = []
+        running_blocks = made._running_blocks
+
+        def counting(scheduler: Any) -> int:
+            counted.append(1)
+            return int(running_blocks(scheduler))
+
+        made._running_blocks = counting
+        try:
+            # 4 running, one token each: exactly 4 blocks; ample: 4 and the step's 16 tokens
+            # in blocks (1), so 5, asked for as 5 + 2.
+            scheduler = scheduler_of(made, 4, [], budget=16)
+            made.begin_step(scheduler)
+            assert made.credit.credit_bytes == 7 * PAGE and len(counted) == 1
+            made.get_new_blocks(3)  # 4 left: the exact demand, short of the ample one
+            made.begin_step(scheduler)
+            assert made.credit.credit_bytes == 7 * PAGE and len(counted) == 2
+            for _ in range(3):
+                made.begin_step(scheduler)  # ample: nothing counted, nothing asked
+            assert made.credit.credit_bytes == 7 * PAGE and len(counted) == 2
+        finally:
+            made.close_elastic()
+            handle.close()
+        handle = ledger.register("limited")
+        ledger.set_limit("limited", 7 * PAGE)  # the null block's page and 6: not 5 + 2
+        made = make_pool(64, None, policy=lambda config, device: CreditPolicy(handle))
+        try:
+            made.begin_step(scheduler_of(made, 4, [], budget=16))
+            assert made.credit is not None and made.credit.credit_bytes == 5 * PAGE
         finally:
             made.close_elastic()
             handle.close()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from elastickv.alloc import PageMap
 from elastickv.geometry import KVCacheGeometry
 from elastickv.integrations.vllm.config import ElasticConfig
-from elastickv.integrations.vllm.worker.worker import advertised_capacity, page_aligned_blocks
+from elastickv.integrations.vllm.worker.capacity import advertised_capacity, page_aligned_blocks
 from elastickv.vmm import host_granularity
 
 KiB = 1 << 10

@@ -1,5 +1,6 @@
-"""The picture of a run: committed KV memory per model over time (stacked, one panel per arm,
-with the budget line) and the TTFT distribution of each arm per model."""
+"""The pictures of a benchmark: a run's committed KV memory per model over time (stacked, one
+panel per arm, with the budget line) and TTFT distribution per model; a sweep's TTFT p99
+against the budget, per arm."""
 
 from __future__ import annotations
 
@@ -51,6 +52,43 @@ def plot_run(
         ax2.set_title(f"{arm}: TTFT per model (box: p25-p75, whiskers: p1-p99)")
         ax2.set_ylabel("seconds (log)")
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(path: Path, sweep: Mapping[str, Any]) -> Path:
+    """``bench_serve --sweep``'s JSON (``sweep``): every run's TTFT p99 against its budget,
+    each budget's median joined per arm, the target line, each arm's smallest passing
+    budget marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    slo = sweep["target"]["ttft_p99_s"]
+    for color, (arm, found) in zip(colors, sweep["arms"].items(), strict=False):
+        points = found["points"]
+        for point in points:
+            runs = [p if p is not None else float("nan") for p in point["ttft_p99_s"]]
+            ax.scatter([point["budget_bytes"] / MiB] * len(runs), runs, color=color, alpha=0.4)
+        medians = [(p["budget_bytes"] / MiB, p["median_ttft_p99_s"]) for p in points]
+        ax.plot(*zip(*medians, strict=True), color=color, marker="o", label=f"{arm} (median)")
+        if found["smallest_passing_bytes"]:
+            ax.axvline(found["smallest_passing_bytes"] / MiB, color=color, linestyle=":")
+    ax.axhline(slo, color="black", linestyle="--", linewidth=1.2, label=f"target {slo} s")
+    ax.set_xlabel("KV budget B (MiB)")
+    ax.set_ylabel("TTFT p99, all models (s, log)")
+    ax.set_yscale("log")
+    ratio = sweep["capacity_ratio"]["ratio"]
+    ax.set_title(
+        "TTFT p99 against the budget"
+        + (f": B_static / B_elastic = {ratio:.2f}" if ratio is not None else "")
+    )
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -331,10 +331,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         The ample demand needs no loop: a block per running request and the step's whole
         token budget in blocks, and the admissible prompts. While the credit covers it, the
         ledger is not asked (its committed bytes are published every ``PUBLISH_INTERVAL_S``);
-        far more than it goes back. Below it, the running requests' exact demand is counted:
-        while the credit covers that, nothing is asked either; else the ledger is asked for
-        the ample demand (or what the limit last seen allows). After a refusal (the ledger's,
-        or the limit last seen) the engine stays short, and asks nothing, for
+        far more than it goes back. Below it, the running requests' exact demand is counted
+        and the ledger asked for the ample demand and half as much again (or what the limit
+        last seen allows: the ample demand, else, when the credit is short of it, the exact
+        one), so that the next steps find the credit ample without counting. After a refusal
+        (the ledger's, or the limit last seen) the engine stays short, and asks nothing, for
         ``CREDIT_RETRY_S``: an engine at its limit pays one loop per step at most."""
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
@@ -342,7 +343,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if budget_blocks < 0:  # the step's token budget in blocks (fixed for a scheduler)
             tokens = int(scheduler.max_num_scheduled_tokens)
             budget_blocks = self._budget_blocks = -(-tokens // self._block_tokens)
-        ample = self._bytes_for(running + budget_blocks + waiting - ready)
+        ample_blocks = running + budget_blocks + waiting - ready
+        ample = self._bytes_for(ample_blocks)
         if ample <= have:
             self._short = False
             if have > 2 * ample + self._slack_bytes:
@@ -354,15 +356,26 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if self._short and now < self._credit_retry_at:
             return  # short since a refusal less than CREDIT_RETRY_S ago: nothing to ask yet
         want = self._bytes_for(self._running_blocks(scheduler) + waiting - ready)
+        # Asked for, the ample demand comes with half as much again where the limit allows:
+        # the steps after it find the credit ample without counting until that half is taken.
+        topped = self._bytes_for(ample_blocks + ample_blocks // 2)
+        ask = topped if credit.limit_allows(topped) else ample
         if want <= have:
             self._short = False
-            if now >= self._next_publish:
+            if now >= self._credit_retry_at and credit.limit_allows(ask):
+                granted = self._settle(credit, ask)
+                self._short = granted < want  # a limit lowered since it was last read
+                if granted < ask:  # the device budget binds: not again for a while
+                    self._credit_retry_at = now + CREDIT_RETRY_S
+                self._next_publish = now + PUBLISH_INTERVAL_S
+            elif now >= self._next_publish:
                 self._publish(credit, now)
             return
         self._short = True
         if now < self._credit_retry_at:
             return
-        ask = ample if credit.limit_allows(ample) else want
+        if not credit.limit_allows(ask):
+            ask = want
         if ask == want and not credit.limit_allows(want):
             # The limit the ledger last showed says no: ask nothing (a limit raised since is
             # read by ``sync_limit`` within LIMIT_CHECK_INTERVAL_S).

@@ -27,7 +27,7 @@ import contextvars
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -39,6 +39,7 @@ from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
 from elastickv.integrations.vllm.worker import weights_sleep
+from elastickv.integrations.vllm.worker.capacity import advertised_capacity
 from elastickv.integrations.vllm.worker.commit_check import CommitCheck
 from elastickv.integrations.vllm.worker.worker_kv import (
     PageMapError,
@@ -313,50 +314,6 @@ def stop_engine(runner: Any, error: PageMapError) -> None:
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         logging.shutdown()
         os._exit(1)
-
-
-def advertised_capacity(worker: Any, config: ElasticConfig) -> int:
-    """The KV bytes to tell vLLM it has: the virtual capacity, but never more than the engine
-    can use at once (``max_num_seqs`` requests of ``max_model_len`` tokens, plus the null
-    block). vLLM builds one Python object per block at start-up, so blocks beyond that bound
-    would only cost start-up time and memory (1 TiB of a tiny model: 32M blocks, 120 s).
-
-    The block count is a multiple of :func:`page_aligned_blocks` (rounded up from the bound,
-    down from the virtual capacity; not where that multiple exceeds the bound), so in a
-    layer-major layout every layer starts on a page boundary. Otherwise pages straddle the
-    blocks of two layers at different block indices: with a tiny model on 64 KiB pages,
-    8 pages held 12 blocks where 15 fit."""
-    virtual = config.resolved_virtual_capacity()
-    try:
-        specs = list(worker.model_runner.get_kv_cache_spec().values())
-        vllm_config = worker.vllm_config
-        max_seqs = int(vllm_config.scheduler_config.max_num_seqs)
-        max_len = int(vllm_config.model_config.max_model_len)
-        layer_bytes = [int(spec.page_size_bytes) for spec in specs]
-        block_size = int(specs[0].block_size)
-    except (AttributeError, IndexError, TypeError, ValueError):
-        return virtual  # an unfamiliar runner: keep the configured capacity
-    if block_size <= 0 or min(layer_bytes) <= 0:
-        return virtual
-    block_bytes = sum(layer_bytes)
-    align = page_aligned_blocks(layer_bytes, config.page_size)
-    usable = max_seqs * -(-max_len // block_size) + 1
-    if align > usable:
-        align = 1  # rounding up would more than double the blocks (a tiny model on big pages)
-    usable += -usable % align
-    fits = virtual // block_bytes
-    if fits >= align:
-        fits -= fits % align
-    return min(fits, usable) * block_bytes
-
-
-def page_aligned_blocks(layer_block_bytes: Iterable[int], page_size: int) -> int:
-    """The fewest blocks whose bytes in every layer fill whole pages: a block count that is a
-    multiple of it starts every layer of a layer-major layout on a page boundary."""
-    align = 1
-    for size in set(layer_block_bytes):
-        align = math.lcm(align, page_size // math.gcd(page_size, size))
-    return align
 
 
 def group_index(kv_cache_config: Any, layer_name: str) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.worker.capacity import advertised_capacity
 from elastickv.integrations.vllm.worker.geometry_v028 import (
     backend_of,
     per_layer_tensors,
@@ -32,7 +33,6 @@ from elastickv.integrations.vllm.worker.worker import (
     INITIALISING,
     PERSISTENT_MARK,
     LayerBackingMode,
-    advertised_capacity,
     attach_placement,
     group_index,
     install_runner_hooks,

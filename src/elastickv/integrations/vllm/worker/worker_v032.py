@@ -25,12 +25,12 @@ from typing import Any
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
+from elastickv.integrations.vllm.worker.capacity import advertised_capacity
 from elastickv.integrations.vllm.worker.geometry_v032 import geometry_from_config, single_tensor
 from elastickv.integrations.vllm.worker.worker import (
     INITIALISING,
     PERSISTENT_MARK,
     BackingMode,
-    advertised_capacity,
     attach_placement,
     group_index,
     install_runner_hooks,
