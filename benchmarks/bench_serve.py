@@ -442,7 +442,9 @@ def print_sweep(doc: dict[str, Any]) -> None:
             )
         )
     ratio_ = found["capacity_ratio"]
-    if ratio_["ratio"] is None:
+    if len(found["arms"]) < 2:
+        print(f"\none arm searched; {found['seconds'] / 60:.0f} min")
+    elif ratio_["ratio"] is None:
         print("\nB_static / B_elastic: - (an arm never met the target in its range)")
     else:
         print(
