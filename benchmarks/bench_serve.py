@@ -117,7 +117,7 @@ def elastic_floor(model: str) -> int:
     block = BLOCK_SIZE * spec.kv_bytes_per_token
     layers = [block // spec.num_hidden_layers] * spec.num_hidden_layers
     align = page_aligned_blocks(layers, PAGE_BYTES)
-    blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
+    blocks = static_floor(model) // block
     return -(-blocks // align) * align * block
 
 
@@ -386,12 +386,14 @@ def sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> dict[str, Any
     lows = {mode: lows[mode] for mode in args.arms}
     searches = {mode: sweep_arm(mode, plan, low, args, runs) for mode, low in lows.items()}
     ((name, arrivals),) = plan.items()
+    shape = Shape(prompt_tokens=args.prompt)
     return {
         "sweep": {
             "target": {"ttft_p99_s": args.slo, "failed": 0},
             "workload": {
-                "name": name, "peak": args.peak, "prompt_tokens": args.prompt,
-                "output_tokens": [32, 64], "requests": len(arrivals), "models": list(MODELS),
+                "name": name, "peak": args.peak, "prompt_tokens": shape.prompt_tokens,
+                "output_tokens": [shape.min_output, shape.max_output],
+                "requests": len(arrivals), "models": list(MODELS),
             },
             "repeats": args.repeat,
             "resolution": args.resolution,

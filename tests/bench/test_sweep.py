@@ -3,6 +3,8 @@ doubling and geometric bisection, and the capacity ratio's interval."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -13,7 +15,7 @@ STEP = 64 << 10
 SLO = 1.0
 
 
-def scripted(values: list[Trial]) -> tuple[list[int], object]:
+def scripted(values: list[Trial]) -> tuple[list[int], Callable[[int], Trial]]:
     calls: list[int] = []
     feed = iter(values)
 
@@ -26,18 +28,18 @@ def scripted(values: list[Trial]) -> tuple[list[int], object]:
 
 def test_two_agreeing_runs_settle_the_median_of_three() -> None:
     calls, run = scripted([Trial(0.5, 0), Trial(0.7, 0), Trial(9.0, 0)])
-    point = judge(run, STEP, repeats=3, slo_s=SLO)  # type: ignore[arg-type]
+    point = judge(run, STEP, repeats=3, slo_s=SLO)
     assert point.passed and len(point.trials) == 2 and calls == [STEP, STEP]
     assert point.median_p99 == pytest.approx(0.6)
 
 
 def test_a_split_needs_the_third_run_and_failures_count_as_unbounded() -> None:
     _, run = scripted([Trial(0.5, 0), Trial(0.4, 2), Trial(3.0, 0)])
-    point = judge(run, STEP, repeats=3, slo_s=SLO)  # type: ignore[arg-type]
+    point = judge(run, STEP, repeats=3, slo_s=SLO)
     assert not point.passed and len(point.trials) == 3
     assert point.median_p99 == pytest.approx(3.0)  # the failed run sorts last, not at 0.4
     _, run = scripted([Trial(None, 5), Trial(2.0, 1), Trial(0.1, 0)])
-    assert judge(run, STEP, 3, SLO).median_p99 is None  # type: ignore[arg-type]
+    assert judge(run, STEP, 3, SLO).median_p99 is None
 
 
 @pytest.mark.parametrize("repeats", [0, 2, -1])
