@@ -27,11 +27,19 @@ at which the ramp meets a TTFT p99 target with no failure (each budget judged by
 of ``--repeat`` runs, found by doubling then geometric bisection: ``elastickv.bench.sweep``),
 and B_static / B_elastic with the interval the two brackets leave.
 
+With ``--fit`` it answers how many models fit one device: at ``--budget`` (8M), the most
+models each arm serves on the ramp within the same target (the three shapes cycled under
+names of their own: ``tiny-llama-2`` is the fourth; the static arm splits B by the count),
+found from three models up by three while the target is met, down by one while it is
+missed, then by bisection.
+
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
         [--workloads ramp,correlated,idle] [--peak 12] [--budget 4992K] [--quick]
         [--repeat N] [--min-kv request|floor]
     .venv/bin/python benchmarks/bench_serve.py --sweep [--slo 1.0] [--repeat 3]
         [--resolution 1.2] [--sweep-max 48M] [--arms static,elastic] [--json] [--plot F]
+    .venv/bin/python benchmarks/bench_serve.py --fit [--budget 8M] [--slo 1.0] [--repeat 3]
+        [--fit-max 12] [--arms static,elastic] [--min-kv request|floor] [--json]
 """
 
 from __future__ import annotations
@@ -40,13 +48,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +67,23 @@ from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run, plot_sweep
 from elastickv.bench.repeats import RATIOS, over_runs
 from elastickv.bench.stats import memory_seconds, per_model, ratio
-from elastickv.bench.sweep import Search, Trial, capacity_ratio, judge, smallest_passing
-from elastickv.bench.workloads import Shape, correlated_burst, idle_gaps, staggered_ramp
+from elastickv.bench.sweep import (
+    CountSearch,
+    Point,
+    Search,
+    Trial,
+    capacity_ratio,
+    judge,
+    largest_passing,
+    smallest_passing,
+)
+from elastickv.bench.workloads import (
+    Shape,
+    correlated_burst,
+    idle_gaps,
+    ramp_gap,
+    staggered_ramp,
+)
 from elastickv.integrations.vllm.worker.capacity import page_aligned_blocks
 from elastickv.models import get_builtin_model
 from elastickv.ports import free_port
@@ -66,26 +91,26 @@ from elastickv.serve.engine import stop_session
 from elastickv.serve.python_env import find_engine_python
 from elastickv.units import format_bytes, parse_size
 
-MODELS = ("tiny-llama", "tiny-llama-bf16", "tiny-llama-deep")
+SHAPES = ("tiny-llama", "tiny-llama-bf16", "tiny-llama-deep")
 MAX_MODEL_LEN, BLOCK_SIZE = 384, 32
 ENGINE_ARGS = [
     "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE)
 ]  # fmt: skip
 PAGE = "64K"
 PAGE_BYTES = parse_size(PAGE)
-# Guaranteed KV per model: at least one max-length request each (384 tokens × 1, 2.25 and
-# 4 KiB per token), so every model can always make progress.
-MIN_KV = {"tiny-llama": 512 << 10, "tiny-llama-bf16": 1 << 20, "tiny-llama-deep": 1536 << 10}
-# ``--min-kv floor``: the least an engine starts with, its null block's pages (one per layer
-# in these layer-major layouts). A model then waits for room the others hold instead of always
-# having one request's worth, and B is about the working set.
+# Guaranteed KV per model (by shape), ``--min-kv``: ``request``, at least one max-length
+# request each (384 tokens × 1, 2.25 and 4 KiB per token), so every model can always make
+# progress; ``floor``, the least an engine starts with, its null block's pages (one per layer
+# in these layer-major layouts): a model then waits for room the others hold instead of
+# always having one request's worth, and B is about the working set.
 MIN_KV_CHOICES = {
-    "request": MIN_KV,
-    "floor": {m: get_builtin_model(m).num_hidden_layers * PAGE_BYTES for m in MODELS},
+    "request": {"tiny-llama": 512 << 10, "tiny-llama-bf16": 1 << 20, "tiny-llama-deep": 1536 << 10},
+    "floor": {m: get_builtin_model(m).num_hidden_layers * PAGE_BYTES for m in SHAPES},
 }
 RELEASE_AFTER_S = 5
-# Longer than any model waits for its burst in a ramp (2 × (P/4 + 2P) s: 54 s at P = 12), so
-# the ramp measures memory, not engine start-ups; the idle workload's gaps are longer still.
+# Longer than any of three models waits for its burst in a ramp (2 × (P/4 + 2P) s: 54 s at
+# P = 12), so the ramp measures memory, not engine start-ups; the idle workload's gaps are
+# longer still. Each model beyond three adds one ramp gap (:meth:`Fleet.stop_after_s`).
 STOP_AFTER_S = 90
 IDLE_GAP_S = 100
 TARGET_P99, TARGET_MEAN = 2.0, 1.25
@@ -93,60 +118,107 @@ TARGET_P99, TARGET_MEAN = 2.0, 1.25
 # requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
 # a longer wait means no KV room; the waiting gauge is only sampled once a second).
 QUEUED_MEAN_S = 0.02
+# ``--fit``'s default budget: two of the three shapes fit its static split with room to
+# spare (4 MiB each); three do not meet the target (2.7 MiB each, below the 3.25 MiB the
+# sweep saw miss).
+FIT_BUDGET = "8M"
 
 
-def static_floor(model: str) -> int:
-    """The KV cache native vLLM needs to start ``model`` (each model runs in its own dtype):
-    one max-length request's blocks plus the null block vLLM keeps for itself."""
+def static_floor(shape: str) -> int:
+    """The KV cache native vLLM needs to start a model of ``shape`` (each runs in its own
+    dtype): one max-length request's blocks plus the null block vLLM keeps for itself."""
     blocks = -(-MAX_MODEL_LEN // BLOCK_SIZE) + 1
-    return blocks * BLOCK_SIZE * get_builtin_model(model).kv_bytes_per_token
+    return blocks * BLOCK_SIZE * get_builtin_model(shape).kv_bytes_per_token
 
 
-def smallest_budget() -> int:
-    """The smallest B whose static split (B / models each) starts every model: 4992 KiB, the
-    float32 ``tiny-llama-deep``'s 13 blocks of 128 KiB, three times."""
-    return max(map(static_floor, MODELS)) * len(MODELS)
-
-
-def elastic_floor(model: str) -> int:
-    """The virtual capacity an elastic engine needs to start ``model``: the static floor's
-    blocks rounded up to a count whose bytes fill whole pages in every layer (elastickv
-    advertises such counts: the float32 deep model's layers take 32 KiB a block, so its 13
-    blocks become 14 on 64 KiB pages)."""
-    spec = get_builtin_model(model)
+def elastic_floor(shape: str) -> int:
+    """The virtual capacity an elastic engine needs to start a model of ``shape``: the static
+    floor's blocks rounded up to a count whose bytes fill whole pages in every layer
+    (elastickv advertises such counts: the float32 deep model's layers take 32 KiB a block,
+    so its 13 blocks become 14 on 64 KiB pages)."""
+    spec = get_builtin_model(shape)
     block = BLOCK_SIZE * spec.kv_bytes_per_token
     layers = [block // spec.num_hidden_layers] * spec.num_hidden_layers
     align = page_aligned_blocks(layers, PAGE_BYTES)
-    blocks = static_floor(model) // block
+    blocks = static_floor(shape) // block
     return -(-blocks // align) * align * block
 
 
-def smallest_elastic_budget(min_kv: Mapping[str, int] = MIN_KV) -> int:
-    """The smallest B ``elastickv serve`` starts these models with: every ``min_kv``, and
-    each engine's capacity (B less the others' ``min_kv``) its :func:`elastic_floor`
-    (3328 KiB: the deep model's 1792K beside the other two floors; 2112K with ``floor``)."""
-    floors = sum(min_kv.values())
-    need = max(elastic_floor(m) + floors - min_kv[m] for m in MODELS)
-    return -(-max(floors, need) // PAGE_BYTES) * PAGE_BYTES
+@dataclass(frozen=True)
+class Fleet:
+    """The models one ``elastickv serve`` runs: ``count`` of them, the built-in shapes cycled
+    (the fourth is ``tiny-llama-2``, a second ``tiny-llama`` under its own name), each elastic
+    one guaranteed its shape's ``min_kv`` (a :data:`MIN_KV_CHOICES` key)."""
+
+    count: int = len(SHAPES)
+    min_kv: str = "request"
+
+    @property
+    def shapes(self) -> dict[str, str]:
+        """Served name -> built-in shape."""
+        found = {}
+        for index in range(self.count):
+            shape = SHAPES[index % len(SHAPES)]
+            lap = index // len(SHAPES)
+            found[shape if lap == 0 else f"{shape}-{lap + 1}"] = shape
+        return found
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.shapes)
+
+    @property
+    def min_kv_bytes(self) -> dict[str, int]:
+        floors = MIN_KV_CHOICES[self.min_kv]
+        return {name: floors[shape] for name, shape in self.shapes.items()}
+
+    def stop_after_s(self, peak: int) -> int:
+        """Idle seconds before serve stops an engine: :data:`STOP_AFTER_S`, and one ramp gap
+        more for every model beyond three (the last model's burst comes that much later)."""
+        return STOP_AFTER_S + max(0, self.count - len(SHAPES)) * math.ceil(ramp_gap(peak))
+
+    def smallest_static_budget(self) -> int:
+        """The smallest B whose static split (B / count each) starts every model: 4992 KiB
+        for the three shapes, the float32 ``tiny-llama-deep``'s 13 blocks of 128 KiB three
+        times."""
+        return max(map(static_floor, self.shapes.values())) * self.count
+
+    def smallest_elastic_budget(self) -> int:
+        """The smallest B ``elastickv serve`` starts these models with: every ``min_kv``, and
+        each engine's capacity (B less the others' ``min_kv``) its :func:`elastic_floor`
+        (3328 KiB for the three shapes: the deep model's 1792K beside the other two floors;
+        2112K with ``floor``)."""
+        min_kv = self.min_kv_bytes
+        floors = sum(min_kv.values())
+        need = max(elastic_floor(s) + floors - min_kv[n] for n, s in self.shapes.items())
+        return -(-max(floors, need) // PAGE_BYTES) * PAGE_BYTES
+
+    def static_error(self, budget: int) -> str | None:
+        """Why the static arm could not start under ``budget`` (None: it can)."""
+        share = budget // self.count
+        for name, shape in self.shapes.items():
+            need = static_floor(shape)
+            if share < need:
+                return (
+                    f"--budget {budget // 1024}K: the static arm gives each of the {self.count} "
+                    f"models {share // 1024}K, and {name} needs {need // 1024}K to start (one "
+                    f"{MAX_MODEL_LEN}-token request and vLLM's null block); use --budget "
+                    f"{self.smallest_static_budget() // 1024}K or more"
+                )
+        return None
+
+    def starts(self, mode: str, budget: int) -> bool:
+        """Whether ``mode``'s arm starts every model under ``budget``."""
+        if mode == "static":
+            return self.static_error(budget) is None
+        return self.smallest_elastic_budget() <= budget
 
 
-def budget_error(budget: int) -> str | None:
-    """Why the static arm could not start under ``budget`` (None: it can)."""
-    share = budget // len(MODELS)
-    for model in MODELS:
-        need = static_floor(model)
-        if share < need:
-            return (
-                f"--budget {budget // 1024}K: the static arm gives each of the {len(MODELS)} "
-                f"models {share // 1024}K, and {model} needs {need // 1024}K to start (one "
-                f"{MAX_MODEL_LEN}-token request and vLLM's null block); use --budget "
-                f"{smallest_budget() // 1024}K or more"
-            )
-    return None
+MODELS = Fleet().names
 
 
 def config_text(
-    mode: str, budget: int, port: int, log_dir: Path, min_kv: Mapping[str, int] = MIN_KV
+    mode: str, budget: int, port: int, log_dir: Path, fleet: Fleet = Fleet(), peak: int = 12
 ) -> str:
     lines = [
         f'python = "{find_engine_python()}"',
@@ -159,14 +231,16 @@ def config_text(
         f'page_size = "{PAGE}"',
         f'mode = "{mode}"',
     ]
-    for model in MODELS:
+    min_kv = fleet.min_kv_bytes
+    for name, shape in fleet.shapes.items():
         lines += [
             "[[model]]",
-            f'model = "{model}"',
+            f'name = "{name}"',
+            f'model = "{shape}"',
             f"args = {json.dumps(ENGINE_ARGS)}",
-            f"min_kv = {min_kv[model]}",
+            f"min_kv = {min_kv[name]}",
             f'release_after = "{RELEASE_AFTER_S}s"',
-            f'stop_after = "{STOP_AFTER_S}s"',
+            f'stop_after = "{fleet.stop_after_s(peak)}s"',
         ]
     return "\n".join(lines) + "\n"
 
@@ -176,11 +250,11 @@ class ArmStartError(RuntimeError):
 
 
 @contextlib.contextmanager
-def serve(mode: str, budget: int, work: Path, min_kv: Mapping[str, int] = MIN_KV) -> Iterator[str]:
+def serve(mode: str, budget: int, work: Path, fleet: Fleet, peak: int) -> Iterator[str]:
     """``elastickv serve`` for one arm, in its own session; yields the router URL."""
     port = free_port()
     config = work / f"{mode}.toml"
-    config.write_text(config_text(mode, budget, port, work / f"{mode}-logs", min_kv))
+    config.write_text(config_text(mode, budget, port, work / f"{mode}-logs", fleet, peak))
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -207,8 +281,10 @@ def serve(mode: str, budget: int, work: Path, min_kv: Mapping[str, int] = MIN_KV
         stop_session(proc, timeout=90)
 
 
-async def drive(base: str, arrivals: list[Any]) -> tuple[list[Result], Monitor, float]:
-    monitor = Monitor(base, MODELS)
+async def drive(
+    base: str, arrivals: list[Any], names: tuple[str, ...]
+) -> tuple[list[Result], Monitor, float]:
+    monitor = Monitor(base, names)
     start = time.monotonic()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         watch = asyncio.create_task(monitor.run(session, start))
@@ -237,31 +313,32 @@ async def wake_latency(base: str) -> dict[str, float | None]:
     return {k: sums[k] / counts[k] if counts.get(k) else None for k in sums}
 
 
-def workloads(names: list[str], peak: int, shape: Shape) -> dict[str, list[Any]]:
+def workloads(
+    names: list[str], peak: int, shape: Shape, models: tuple[str, ...] = MODELS
+) -> dict[str, list[Any]]:
     table = {
-        "ramp": lambda: staggered_ramp(MODELS, peak, shape=shape, seed=1),
-        "correlated": lambda: correlated_burst(MODELS, peak, shape=shape, seed=2),
-        "idle": lambda: idle_gaps(MODELS, max(2, peak // 2), gap=IDLE_GAP_S, shape=shape, seed=3),
+        "ramp": lambda: staggered_ramp(models, peak, shape=shape, seed=1),
+        "correlated": lambda: correlated_burst(models, peak, shape=shape, seed=2),
+        "idle": lambda: idle_gaps(models, max(2, peak // 2), gap=IDLE_GAP_S, shape=shape, seed=3),
     }
     return {name: table[name]() for name in names}
 
 
 def run_arm(
-    mode: str, budget: int, work: Path, plan: dict[str, list[Any]],
-    min_kv: Mapping[str, int] = MIN_KV,
-) -> dict[str, Any]:  # fmt: skip
+    mode: str, budget: int, work: Path, plan: dict[str, list[Any]], fleet: Fleet, peak: int
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     started = time.monotonic()
-    with serve(mode, budget, work, min_kv) as base:
+    with serve(mode, budget, work, fleet, peak) as base:
         out["startup_s"] = round(time.monotonic() - started, 1)
         for name, arrivals in plan.items():
             print(f"  {mode}: workload {name} ({len(arrivals)} requests)", file=sys.stderr)
-            results, monitor, seconds = asyncio.run(drive(base, arrivals))
+            results, monitor, seconds = asyncio.run(drive(base, arrivals, fleet.names))
             out[name] = {
                 "seconds": round(seconds, 1),
                 "results": results,
                 "memory": monitor.memory,
-                "summary": per_model(results, MODELS),
+                "summary": per_model(results, fleet.names),
                 "preemptions": monitor.preemptions,
                 "max_waiting": monitor.max_waiting,
                 "queue_s": monitor.queue_s,
@@ -330,70 +407,87 @@ def report(
     return doc
 
 
+def trial(
+    mode: str, budget: int, fleet: Fleet, args: argparse.Namespace, runs: list[dict[str, Any]]
+) -> Trial:
+    """One run of ``mode`` with ``fleet`` under ``budget`` on the ramp (a fresh ``elastickv
+    serve``), its summary appended to ``runs``; an arm that cannot start misses."""
+    plan = {"ramp": ramp_plan(fleet, args)}
+    where = f"{mode} with {fleet.count} models at {format_bytes(budget)}"
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+            out = run_arm(mode, budget, Path(tmp), plan, fleet, args.peak)
+    except ArmStartError as exc:
+        print(f"  {where}: {exc}", file=sys.stderr)
+        runs.append({
+            "arm": mode, "budget_bytes": budget, "models": fleet.count,
+            "start_error": str(exc)[-600:],
+        })  # fmt: skip
+        return Trial(None, len(plan["ramp"]))
+    summary = out["ramp"]["summary"]
+    found = Trial(summary["all"]["ttft_p99"], summary["all"]["failed"])
+    runs.append({
+        "arm": mode,
+        "budget_bytes": budget,
+        "models": fleet.count,
+        "startup_s": out["startup_s"],
+        "ttft_p99_s": {m: summary[m]["ttft_p99"] for m in [*fleet.names, "all"]},
+        "ttft_mean_s": summary["all"]["ttft_mean"],
+        "failed": found.failed,
+        "preemptions": out["ramp"]["preemptions"],
+        "max_waiting": out["ramp"]["max_waiting"],
+        "peak_total_bytes": out["ramp"]["peak_total_bytes"],
+    })  # fmt: skip
+    verdict = "meets" if found.passes(args.slo) else "misses"
+    print(
+        f"  {where}: TTFT p99 {_fmt(found.ttft_p99)}, {found.failed} failed: {verdict} the target",
+        file=sys.stderr,
+    )
+    return found
+
+
+def ramp_plan(fleet: Fleet, args: argparse.Namespace) -> list[Any]:
+    """The sweep's and the fit's workload: the staggered ramp over ``fleet``'s models."""
+    return staggered_ramp(fleet.names, args.peak, shape=Shape(prompt_tokens=args.prompt), seed=1)
+
+
+def workload_json(args: argparse.Namespace) -> dict[str, Any]:
+    shape = Shape(prompt_tokens=args.prompt)
+    return {
+        "name": "ramp", "peak": args.peak, "prompt_tokens": shape.prompt_tokens,
+        "output_tokens": [shape.min_output, shape.max_output],
+        "requests_per_model": len(ramp_plan(Fleet(1), args)),
+        "model_gap_s": ramp_gap(args.peak),
+    }  # fmt: skip
+
+
 def sweep_arm(
-    mode: str, plan: dict[str, list[Any]], low: int, args: argparse.Namespace,
-    runs: list[dict[str, Any]],
-) -> Search:  # fmt: skip
-    """The smallest budget at which ``mode`` meets the target on ``plan`` (one workload):
-    each run a fresh ``elastickv serve``; every run's summary appended to ``runs``."""
-    step = PAGE_BYTES * (len(MODELS) if mode == "static" else 1)
+    mode: str, fleet: Fleet, low: int, args: argparse.Namespace, runs: list[dict[str, Any]]
+) -> Search:
+    """The smallest budget at which ``mode`` meets the target with ``fleet``."""
+    step = PAGE_BYTES * (fleet.count if mode == "static" else 1)
     high = max(low, -(-args.sweep_max // step) * step)
 
-    def run(budget: int) -> Trial:
-        (name,) = plan
-        try:
-            with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
-                out = run_arm(mode, budget, Path(tmp), plan, MIN_KV_CHOICES[args.min_kv])
-        except ArmStartError as exc:  # a budget the arm cannot start with misses the target
-            print(f"  {mode} at {format_bytes(budget)}: {exc}", file=sys.stderr)
-            runs.append({"arm": mode, "budget_bytes": budget, "start_error": str(exc)[-600:]})
-            return Trial(None, len(plan[name]))
-        summary = out[name]["summary"]
-        trial = Trial(summary["all"]["ttft_p99"], summary["all"]["failed"])
-        runs.append({
-            "arm": mode,
-            "budget_bytes": budget,
-            "startup_s": out["startup_s"],
-            "ttft_p99_s": {m: summary[m]["ttft_p99"] for m in [*MODELS, "all"]},
-            "ttft_mean_s": summary["all"]["ttft_mean"],
-            "failed": trial.failed,
-            "preemptions": out[name]["preemptions"],
-            "max_waiting": out[name]["max_waiting"],
-            "peak_total_bytes": out[name]["peak_total_bytes"],
-        })  # fmt: skip
-        verdict = "meets" if trial.passes(args.slo) else "misses"
-        print(
-            f"  {mode} at {format_bytes(budget)}: TTFT p99 {_fmt(trial.ttft_p99)}, "
-            f"{trial.failed} failed: {verdict} the target",
-            file=sys.stderr,
-        )
-        return trial
+    def judge_at(budget: int) -> Point:
+        return judge(lambda b: trial(mode, b, fleet, args, runs), budget, args.repeat, args.slo)
 
-    return smallest_passing(
-        lambda budget: judge(run, budget, args.repeat, args.slo), low, high, step,
-        args.resolution,
-    )  # fmt: skip
+    return smallest_passing(judge_at, low, high, step, args.resolution)
 
 
-def sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> dict[str, Any]:
+def sweep(args: argparse.Namespace) -> dict[str, Any]:
     """``--sweep``: B_static and B_elastic for the target, and their ratio."""
     started = time.monotonic()
     runs: list[dict[str, Any]] = []
-    lows = {
-        "static": smallest_budget(),
-        "elastic": smallest_elastic_budget(MIN_KV_CHOICES[args.min_kv]),
-    }
-    lows = {mode: lows[mode] for mode in args.arms}
-    searches = {mode: sweep_arm(mode, plan, low, args, runs) for mode, low in lows.items()}
-    ((name, arrivals),) = plan.items()
-    shape = Shape(prompt_tokens=args.prompt)
+    fleet = Fleet(min_kv=args.min_kv)
+    lows = {"static": fleet.smallest_static_budget(), "elastic": fleet.smallest_elastic_budget()}
+    searches = {mode: sweep_arm(mode, fleet, lows[mode], args, runs) for mode in args.arms}
     return {
         "sweep": {
             "target": {"ttft_p99_s": args.slo, "failed": 0},
             "workload": {
-                "name": name, "peak": args.peak, "prompt_tokens": shape.prompt_tokens,
-                "output_tokens": [shape.min_output, shape.max_output],
-                "requests": len(arrivals), "models": list(MODELS),
+                **workload_json(args),
+                "requests": len(ramp_plan(fleet, args)),
+                "models": list(fleet.names),
             },
             "repeats": args.repeat,
             "resolution": args.resolution,
@@ -401,7 +495,7 @@ def sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> dict[str, Any
                 mode: {"search_from_bytes": lows[mode], **search.as_json()}
                 for mode, search in searches.items()
             },
-            "elastic_min_kv_bytes": MIN_KV_CHOICES[args.min_kv],
+            "elastic_min_kv_bytes": fleet.min_kv_bytes,
             "capacity_ratio": (
                 capacity_ratio(searches["static"], searches["elastic"])
                 if len(searches) == 2
@@ -411,6 +505,72 @@ def sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> dict[str, Any
             "runs": runs,
         }
     }  # fmt: skip
+
+
+def most_startable(mode: str, args: argparse.Namespace) -> int:
+    """The most models, up to ``--fit-max``, ``mode``'s arm starts under ``--budget``
+    (fewer models never need more to start)."""
+    count = 0
+    while count < args.fit_max and Fleet(count + 1, args.min_kv).starts(mode, args.budget):
+        count += 1
+    return count
+
+
+def fit_arm(mode: str, args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The most models ``mode`` serves within the target under ``--budget``, and what
+    bounds it: the target, the budget (no more models start) or ``--fit-max``."""
+    high = most_startable(mode, args)
+    if high == 0:
+        return {"most_startable": 0, "limited_by": "start", **CountSearch((), None, 1).as_json()}
+
+    def judge_at(count: int) -> Point:
+        fleet = Fleet(count, args.min_kv)
+        return judge(
+            lambda n: trial(mode, args.budget, fleet, args, runs), count, args.repeat, args.slo
+        )
+
+    search = largest_passing(judge_at, min(len(SHAPES), high), high, len(SHAPES))
+    if search.smallest_failing is not None:
+        limited_by = "target"
+    elif Fleet(high + 1, args.min_kv).starts(mode, args.budget):
+        limited_by = "fit-max"
+    else:
+        limited_by = "start"
+    return {"most_startable": high, "limited_by": limited_by, **search.as_json()}
+
+
+def fit(args: argparse.Namespace) -> dict[str, Any]:
+    """``--fit``: at ``--budget``, the most models each arm serves within the target."""
+    started = time.monotonic()
+    runs: list[dict[str, Any]] = []
+    arms = {mode: fit_arm(mode, args, runs) for mode in args.arms}
+    most = {mode: arm["largest_passing_models"] for mode, arm in arms.items()}
+    static, elastic = most.get("static"), most.get("elastic")
+    return {
+        "fit": {
+            "budget_bytes": args.budget,
+            "target": {"ttft_p99_s": args.slo, "failed": 0},
+            "workload": {**workload_json(args), "shapes": list(SHAPES)},
+            "repeats": args.repeat,
+            "elastic_min_kv": args.min_kv,
+            "arms": arms,
+            "models_ratio": elastic / static if static and elastic else None,
+            "seconds": round(time.monotonic() - started),
+            "runs": runs,
+        }
+    }
+
+
+def print_point(label: str, point: dict[str, Any]) -> None:
+    """One budget or count tried: its verdict, the median and every run."""
+    each = ", ".join(
+        _fmt(p) + (f" ({f} failed)" if f else "")
+        for p, f in zip(point["ttft_p99_s"], point["failed"], strict=True)
+    )
+    verdict = "meets" if point["passed"] else "misses"
+    print(
+        f"   {label}: {verdict}, median TTFT p99 {_fmt(point['median_ttft_p99_s'])} (runs: {each})"
+    )
 
 
 def print_sweep(doc: dict[str, Any]) -> None:
@@ -424,15 +584,7 @@ def print_sweep(doc: dict[str, Any]) -> None:
     for mode, arm in found["arms"].items():
         print(f"\n== {mode}")
         for point in arm["points"]:
-            each = ", ".join(
-                _fmt(p) + (f" ({f} failed)" if f else "")
-                for p, f in zip(point["ttft_p99_s"], point["failed"], strict=True)
-            )
-            verdict = "meets" if point["passed"] else "misses"
-            print(
-                f"   {format_bytes(point['budget_bytes']):>10}: {verdict}, median TTFT p99 "
-                f"{_fmt(point['median_ttft_p99_s'])} (runs: {each})"
-            )
+            print_point(f"{format_bytes(point['budget_bytes']):>10}", point)
         smallest = arm["smallest_passing_bytes"]
         print(
             f"   smallest budget meeting the target: "
@@ -453,6 +605,34 @@ def print_sweep(doc: dict[str, Any]) -> None:
             f"\nB_static / B_elastic = {ratio_['ratio']:.2f} (interval the brackets leave: "
             f"{ratio_['low']:.2f} to {ratio_['high']:.2f}); {found['seconds'] / 60:.0f} min"
         )
+
+
+def print_fit(doc: dict[str, Any]) -> None:
+    found = doc["fit"]
+    target, workload = found["target"], found["workload"]
+    print(
+        f"at B = {format_bytes(found['budget_bytes'])}: target TTFT p99 <= "
+        f"{target['ttft_p99_s']} s over all models, 0 failed; ramp at P = {workload['peak']} "
+        f"({workload['requests_per_model']} requests a model, {', '.join(workload['shapes'])} "
+        f"cycled); each count judged by the median of {found['repeats']} runs"
+    )
+    bounds = {
+        "target": "one more misses the target",
+        "start": "no more start under B",
+        "fit-max": "--fit-max reached",
+    }
+    for mode, arm in found["arms"].items():
+        print(f"\n== {mode}")
+        for point in arm["points"]:
+            print_point(f"{point['models']:>3} models", point)
+        most = arm["largest_passing_models"]
+        print(f"   most models meeting the target: {most or 0} ({bounds[arm['limited_by']]})")
+    models_ratio = found["models_ratio"]
+    print(
+        "\nmodels elastic / static: "
+        + ("-" if models_ratio is None else f"{models_ratio:.2f}")
+        + f"; {found['seconds'] / 60:.0f} min"
+    )
 
 
 def print_over_runs(doc: dict[str, Any]) -> None:
@@ -540,16 +720,15 @@ def print_table(doc: dict[str, Any]) -> None:
     print(f"wake latency (elastic, mean s by model/tier): {doc['wake_latency_s']}")
 
 
-def sweep_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse a sweep's bad options before anything starts."""
+def search_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a sweep's or a fit's bad options before anything starts."""
+    flag = "--sweep" if args.sweep else "--fit"
+    if args.sweep and args.fit:
+        parser.error("--sweep and --fit exclude each other: run them one after the other")
     if args.repeat % 2 == 0:
-        parser.error(f"--repeat must be odd with --sweep (a median of runs), got {args.repeat}")
+        parser.error(f"--repeat must be odd with {flag} (a median of runs), got {args.repeat}")
     if args.slo <= 0:
         parser.error(f"--slo must be a positive number of seconds, got {args.slo}")
-    if args.resolution <= 1:
-        parser.error(f"--resolution must be above 1, got {args.resolution}")
-    if args.budget is not None:
-        parser.error("--budget and --sweep exclude each other: the sweep chooses the budgets")
     args.arms = [a.strip() for a in (args.arms or "static,elastic").split(",") if a.strip()]
     if (
         not args.arms
@@ -557,15 +736,40 @@ def sweep_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         or len(set(args.arms)) < len(args.arms)
     ):
         parser.error(f"--arms takes static, elastic or both, got {','.join(args.arms)!r}")
+    if args.fit:
+        fit_errors(parser, args)
+        return
+    if args.resolution <= 1:
+        parser.error(f"--resolution must be above 1, got {args.resolution}")
+    if args.budget is not None:
+        parser.error("--budget and --sweep exclude each other: the sweep chooses the budgets")
     try:
         args.sweep_max = parse_size(args.sweep_max)
     except ValueError as exc:
         parser.error(f"--sweep-max: {exc}")
-    if args.sweep_max < smallest_budget():
+    if args.sweep_max < Fleet().smallest_static_budget():
         parser.error(
             f"--sweep-max {args.sweep_max // 1024}K is below the smallest budget the static "
-            f"arm starts with, {smallest_budget() // 1024}K"
+            f"arm starts with, {Fleet().smallest_static_budget() // 1024}K"
         )
+
+
+def fit_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--fit``: the budget parses and one model of each arm starts under it."""
+    if args.plot is not None:
+        parser.error("--fit draws no picture: its answer is a count per arm (drop --plot)")
+    if args.fit_max < 1:
+        parser.error(f"--fit-max must be at least 1, got {args.fit_max}")
+    try:
+        args.budget = parse_size(args.budget or FIT_BUDGET)
+    except ValueError as exc:
+        parser.error(f"--budget: {exc}")
+    for mode in args.arms:
+        if not Fleet(1, args.min_kv).starts(mode, args.budget):
+            parser.error(
+                f"--budget {args.budget // 1024}K starts no model in the {mode} arm; use "
+                f"{FIT_BUDGET} or more"
+            )
 
 
 def main() -> None:
@@ -577,7 +781,8 @@ def main() -> None:
     parser.add_argument(
         "--budget",
         help="B, the KV bytes the models share (default: the smallest whose static split "
-        f"starts every model, {smallest_budget() // 1024}K)",
+        f"starts every model, {Fleet().smallest_static_budget() // 1024}K; with --fit "
+        f"{FIT_BUDGET})",
     )
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens")
     parser.add_argument("--quick", action="store_true", help="the ramp workload only")
@@ -586,7 +791,7 @@ def main() -> None:
         type=int,
         metavar="N",
         help="run both arms N times; ratios as the median of the runs with a bootstrap "
-        "interval (1); with --sweep, the runs that judge each budget (odd, 3)",
+        "interval (1); with --sweep or --fit, the runs that judge each point (odd, 3)",
     )
     parser.add_argument(
         "--sweep",
@@ -594,10 +799,22 @@ def main() -> None:
         help="find each arm's smallest budget meeting the target on the ramp, and their ratio",
     )
     parser.add_argument(
-        "--slo", type=float, default=1.0, help="--sweep's target: TTFT p99 in seconds (1.0)"
+        "--fit",
+        action="store_true",
+        help="at --budget, find the most models (the three shapes cycled) each arm serves "
+        "meeting the target on the ramp",
+    )
+    parser.add_argument(
+        "--slo",
+        type=float,
+        default=1.0,
+        help="--sweep's and --fit's target: TTFT p99 in seconds (1.0)",
     )
     parser.add_argument(
         "--sweep-max", default="48M", help="--sweep's largest budget tried per arm (48M)"
+    )
+    parser.add_argument(
+        "--fit-max", type=int, default=12, help="--fit's largest number of models tried (12)"
     )
     parser.add_argument(
         "--min-kv",
@@ -609,7 +826,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--arms",
-        help="--sweep's arms, searched in this order (static,elastic)",
+        help="--sweep's or --fit's arms, searched in this order (static,elastic)",
     )
     parser.add_argument(
         "--resolution",
@@ -619,41 +836,49 @@ def main() -> None:
         "largest failing one (1.2)",
     )
     args = parser.parse_args()
+    searching = args.sweep or args.fit
     if args.repeat is None:
-        args.repeat = 3 if args.sweep else 1
+        args.repeat = 3 if searching else 1
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")
     names = ["ramp"] if args.quick else [w.strip() for w in args.workloads.split(",") if w.strip()]
-    if args.sweep:
+    if searching:
         names = ["ramp"]
     unknown = set(names) - {"ramp", "correlated", "idle"}
     if unknown:
         parser.error(
             f"unknown workload(s) {', '.join(sorted(unknown))}; use ramp, correlated, idle"
         )
-    if args.sweep:
-        sweep_errors(parser, args)
+    if searching:
+        search_errors(parser, args)
     elif args.arms is not None:
-        parser.error("--arms chooses the arms of --sweep; a comparison runs both")
+        parser.error("--arms chooses the arms of --sweep or --fit; a comparison runs both")
     else:
         try:
-            args.budget = smallest_budget() if args.budget is None else parse_size(args.budget)
+            args.budget = (
+                Fleet().smallest_static_budget() if args.budget is None else parse_size(args.budget)
+            )
         except ValueError as exc:
             parser.error(f"--budget: {exc}")
-        if (why := budget_error(args.budget)) is not None:
+        if (why := Fleet().static_error(args.budget)) is not None:
             parser.error(why)
-    plan = workloads(names, args.peak, Shape(prompt_tokens=args.prompt))
     try:
         if args.sweep:
-            run_sweep(args, plan)
+            run_sweep(args)
+        elif args.fit:
+            found = fit(args)
+            if args.json:
+                print(json.dumps(found))
+            else:
+                print_fit(found)
         else:
-            compare(args, names, plan)
+            compare(args, names, workloads(names, args.peak, Shape(prompt_tokens=args.prompt)))
     except ArmStartError as exc:
         raise SystemExit(str(exc)) from None
 
 
-def run_sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> None:
-    found = sweep(args, plan)
+def run_sweep(args: argparse.Namespace) -> None:
+    found = sweep(args)
     if args.plot:
         found["sweep"]["plot"] = str(args.plot)
     if args.json:
@@ -667,6 +892,7 @@ def run_sweep(args: argparse.Namespace, plan: dict[str, list[Any]]) -> None:
 def compare(args: argparse.Namespace, names: list[str], plan: dict[str, list[Any]]) -> None:
     """Both arms at one budget, ``--repeat`` times, and their ratios."""
     budget = args.budget
+    fleet = Fleet(min_kv=args.min_kv)
     runs: list[dict[str, Any]] = []
     arms: dict[str, dict[str, Any]] = {}
     for index in range(args.repeat):
@@ -675,8 +901,7 @@ def compare(args: argparse.Namespace, names: list[str], plan: dict[str, list[Any
         order = ("static", "elastic") if index % 2 == 0 else ("elastic", "static")
         with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
             done = {
-                mode: run_arm(mode, budget, Path(tmp), plan, MIN_KV_CHOICES[args.min_kv])
-                for mode in order
+                mode: run_arm(mode, budget, Path(tmp), plan, fleet, args.peak) for mode in order
             }
         arms = arms or done  # the first run's arms are the ones plotted
         runs.append(report(done["static"], done["elastic"], names, budget))

@@ -23,8 +23,21 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def format_size(n: int) -> str:
+    """``1310720`` → ``1280K``: exact, in the largest unit that divides it, and in
+    :func:`parse_size`'s syntax, for a size a user must type (a minimum in an error message:
+    :func:`format_bytes` would round 1.25 MiB down to ``1.2 MiB``, below the minimum)."""
+    if n < 0:
+        raise ValueError(f"a size cannot be negative, got {n}")
+    for unit in ("T", "G", "M", "K"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
 def format_bytes(n: int | float) -> str:
-    """``2097152`` → ``2.0 MiB``; exact bytes below 1 KiB."""
+    """``2097152`` → ``2.0 MiB``, for reading (rounded); exact bytes below 1 KiB. A size the
+    user must type: :func:`format_size`."""
     if n < 1024:
         return f"{int(n)} B"
     for unit in ("KiB", "MiB", "GiB", "TiB"):

@@ -41,7 +41,13 @@ def test_a_budget_the_static_arm_cannot_start_under_is_refused_first() -> None:
         (["--sweep", "--sweep-max", "2M"], "below the smallest budget the static arm starts"),
         (["--sweep", "--sweep-max", "9Q"], "--sweep-max: invalid size '9Q'"),
         (["--sweep", "--arms", "static,gpu"], "--arms takes static, elastic or both"),
-        (["--arms", "elastic"], "--arms chooses the arms of --sweep"),
+        (["--arms", "elastic"], "--arms chooses the arms of --sweep or --fit"),
+        (["--fit", "--sweep"], "--sweep and --fit exclude each other"),
+        (["--fit", "--repeat", "2"], "--repeat must be odd with --fit"),
+        (["--fit", "--fit-max", "0"], "--fit-max must be at least 1"),
+        (["--fit", "--budget", "256K"], "--budget 256K starts no model in the static arm"),
+        (["--fit", "--arms", "elastic", "--budget", "256K"], "no model in the elastic arm"),
+        (["--fit", "--plot", "fit.png"], "--fit draws no picture"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(args: list[str], message: str) -> None:

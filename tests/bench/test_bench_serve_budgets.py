@@ -14,6 +14,7 @@ import pytest
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.worker.capacity import advertised_capacity
 from elastickv.models import get_builtin_model
+from elastickv.serve.config import load_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_serve.py"
 
@@ -61,12 +62,80 @@ def test_the_elastic_floor_is_the_least_capacity_that_holds_a_request(
 
 
 @pytest.mark.parametrize("min_kv", ["request", "floor"])
-def test_every_engine_starts_at_the_smallest_elastic_budget(bench: ModuleType, min_kv: str) -> None:
-    floors = bench.MIN_KV_CHOICES[min_kv]
-    budget = bench.smallest_elastic_budget(floors)
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 6, 7])
+def test_every_engine_starts_at_the_smallest_elastic_budget(
+    bench: ModuleType, min_kv: str, count: int
+) -> None:
+    fleet = bench.Fleet(count, min_kv)
+    floors = fleet.min_kv_bytes
+    budget = fleet.smallest_elastic_budget()
     assert budget % bench.PAGE_BYTES == 0 and budget >= sum(floors.values())
     request = -(-bench.MAX_MODEL_LEN // bench.BLOCK_SIZE)
-    for model in bench.MODELS:
-        cap = budget - (sum(floors.values()) - floors[model])  # serve's cap of the model
-        assert usable_blocks(bench, model, cap) >= request
-    assert (budget, min_kv) in {(3328 << 10, "request"), (2112 << 10, "floor")}
+    for name, shape in fleet.shapes.items():
+        cap = budget - (sum(floors.values()) - floors[name])  # serve's cap of the model
+        assert usable_blocks(bench, shape, cap) >= request
+    if count == 3:
+        assert (budget, min_kv) in {(3328 << 10, "request"), (2112 << 10, "floor")}
+    assert fleet.starts("elastic", budget)
+    assert not fleet.starts("elastic", budget - bench.PAGE_BYTES)
+
+
+def test_a_fleet_cycles_the_shapes_under_names_of_their_own(bench: ModuleType) -> None:
+    assert bench.Fleet(7).shapes == {
+        "tiny-llama": "tiny-llama",
+        "tiny-llama-bf16": "tiny-llama-bf16",
+        "tiny-llama-deep": "tiny-llama-deep",
+        "tiny-llama-2": "tiny-llama",
+        "tiny-llama-bf16-2": "tiny-llama-bf16",
+        "tiny-llama-deep-2": "tiny-llama-deep",
+        "tiny-llama-3": "tiny-llama",
+    }
+    assert bench.Fleet().names == bench.MODELS == bench.SHAPES
+
+
+def test_the_static_split_starts_until_a_share_is_below_a_floor(bench: ModuleType) -> None:
+    """8M split four ways leaves 2M for the deep model (it needs 1664K); five ways 1.6M."""
+    budget = 8 << 20
+    assert bench.Fleet(4).starts("static", budget)
+    assert not bench.Fleet(5).starts("static", budget)
+    assert "tiny-llama-deep needs 1664K" in bench.Fleet(5).static_error(budget)
+    assert bench.Fleet().smallest_static_budget() == 4992 << 10
+
+
+def test_a_fleet_beyond_three_waits_a_ramp_gap_longer_per_model_before_stopping(
+    bench: ModuleType,
+) -> None:
+    """The last of k models bursts (k - 1) ramp gaps (27 s at P = 12) after the first: its
+    engine must not be stopped as idle before (a wake is an engine start, not memory)."""
+    assert bench.Fleet(3).stop_after_s(12) == bench.STOP_AFTER_S == 90
+    for count in (4, 6, 9):
+        stop = bench.Fleet(count).stop_after_s(12)
+        assert stop - (count - 1) * 27 >= 36
+
+
+def test_the_config_serves_each_name_with_its_shape(bench: ModuleType, tmp_path: Path) -> None:
+    path = tmp_path / "serve.toml"
+    path.write_text(bench.config_text("elastic", 8 << 20, 8000, tmp_path, bench.Fleet(4), 12))
+    config = load_config(path)
+    assert [(m.name, m.source, m.min_kv) for m in config.models] == [
+        ("tiny-llama", "tiny-llama", 512 << 10),
+        ("tiny-llama-bf16", "tiny-llama-bf16", 1 << 20),
+        ("tiny-llama-deep", "tiny-llama-deep", 1536 << 10),
+        ("tiny-llama-2", "tiny-llama", 512 << 10),
+    ]
+
+
+def test_the_committed_results_print_as_docs_benchmarks_quotes_them(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The JSONs under docs/results are read back by the printers of today's script."""
+    import json
+
+    results = SCRIPT.parents[1] / "docs" / "results"
+    bench.print_fit(json.loads((results / "bench-serve-fit.json").read_text()))
+    bench.print_sweep(json.loads((results / "bench-serve-sweep.json").read_text()))
+    out = capsys.readouterr().out
+    assert "most models meeting the target: 2 (one more misses the target)" in out
+    assert "most models meeting the target: 5 (one more misses the target)" in out
+    assert "models elastic / static: 2.50" in out
+    assert "B_static / B_elastic = 2.11" in out

@@ -1,5 +1,6 @@
 """The budget sweep's search: the median verdict of repeated runs, the bracket found by
-doubling and geometric bisection, and the capacity ratio's interval."""
+doubling and geometric bisection, and the capacity ratio's interval; the count search of
+``--fit``: the largest number of models that passes, exactly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastickv.bench.sweep import Point, Search, Trial, capacity_ratio, judge, smallest_passing
+from elastickv.bench.sweep import (
+    CountSearch,
+    Point,
+    Search,
+    Trial,
+    capacity_ratio,
+    judge,
+    largest_passing,
+    smallest_passing,
+)
 
 STEP = 64 << 10
 SLO = 1.0
@@ -117,3 +127,71 @@ def test_points_report_every_run() -> None:
     }
     ordered = Search((Point(2, (), True), Point(1, (), False)), 2, 1).as_json()["points"]
     assert [p["budget_bytes"] for p in ordered] == [1, 2]
+
+
+@given(
+    high=st.integers(1, 30),
+    start=st.integers(1, 30),
+    threshold=st.integers(0, 31),
+    stride=st.integers(1, 6),
+)
+def test_the_count_search_finds_the_largest_passing_count_exactly(
+    high: int, start: int, threshold: int, stride: int
+) -> None:
+    """Any monotone verdict (pass up to ``threshold`` models): the search ends with the
+    largest passing count and the next one failing, judging no count twice and none outside
+    ``[1, high]``."""
+    start = min(start, high)
+    judged: list[int] = []
+
+    def at(count: int) -> Point:
+        judged.append(count)
+        assert 1 <= count <= high
+        return Point(count, (Trial(0.1, 0),), count <= threshold)
+
+    found = largest_passing(at, start, high, stride)
+    assert len(judged) == len(set(judged)) == len(found.points)
+    expected = min(threshold, high)
+    assert found.largest_passing == (expected or None)
+    assert found.smallest_failing == (expected + 1 if expected < high else None)
+
+
+def test_a_count_search_steps_down_by_one_from_a_failing_start() -> None:
+    judged: list[int] = []
+
+    def at(count: int) -> Point:
+        judged.append(count)
+        return Point(count, (), count <= 2)
+
+    found = largest_passing(at, 3, 9, 3)
+    assert judged == [3, 2] and (found.largest_passing, found.smallest_failing) == (2, 3)
+
+
+def test_bad_count_searches_are_refused() -> None:
+    never = lambda n: Point(n, (), True)  # noqa: E731
+    with pytest.raises(ValueError, match="start"):
+        largest_passing(never, 0, 4, 1)
+    with pytest.raises(ValueError, match="start"):
+        largest_passing(never, 5, 4, 1)
+    with pytest.raises(ValueError, match="stride"):
+        largest_passing(never, 1, 4, 0)
+
+
+def test_count_points_are_reported_by_models() -> None:
+    found = CountSearch(
+        (Point(6, (Trial(None, 3),), False), Point(3, (Trial(0.2, 0),), True)), 3, 6
+    )
+    assert found.as_json() == {
+        "largest_passing_models": 3,
+        "smallest_failing_models": 6,
+        "points": [
+            {
+                "models": 3, "passed": True, "median_ttft_p99_s": 0.2, "repeats": 1,
+                "ttft_p99_s": [0.2], "failed": [0],
+            },
+            {
+                "models": 6, "passed": False, "median_ttft_p99_s": None, "repeats": 1,
+                "ttft_p99_s": [None], "failed": [3],
+            },
+        ],
+    }  # fmt: skip

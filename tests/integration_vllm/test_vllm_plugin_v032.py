@@ -232,8 +232,8 @@ def test_unsupported_options_refused_before_weights_load(
 
 def test_budget_below_the_floor_states_the_minimum(cache_root: Path, tmp_path: Path) -> None:
     """``ELASTICKV_BUDGET`` below what the null block's pages need: the error echoes the
-    setting as typed and states the minimum in bytes the user can set (and no ledger record
-    is left to look for)."""
+    setting as typed and states the minimum exactly, as the user can set it (and no ledger
+    record is left to look for)."""
     import re
 
     from plugin_harness import failing_start
@@ -247,12 +247,13 @@ def test_budget_below_the_floor_states_the_minimum(cache_root: Path, tmp_path: P
     assert got["returncode"] != 0 and "ENGINE STARTED" not in got["stdout"]
     found = re.search(
         r"ELASTICKV_BUDGET=4K \(4\.0 KiB\) is below the minimum: this engine needs at least "
-        r"(\d+\.\d) KiB to start: its null block's (\d+) pages of 4\.0 KiB",
+        r"(\d+K) to start: its null block's (\d+) pages of 4\.0 KiB",
         got["stderr"],
     )
     assert found is not None, got["stderr"][-3000:]
-    minimum = parse_size(f"{found.group(1)}K")
+    minimum = parse_size(found.group(1))  # exact, as the user types it
     assert minimum == int(found.group(2)) * 4096 > 4096
+    assert f"Set ELASTICKV_BUDGET to at least {found.group(1)}" in got["stderr"]
     assert "elastickv list" not in got["stderr"]
     assert not got["left"] and got["ledger"] == []
 

@@ -234,3 +234,36 @@ def test_a_stopped_engine_acts_on_its_sigterm(tmp_path: Path) -> None:
         assert not engine.processes()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("min_kv", "hinted"), [(64 << 10, True), (128 << 10, False)])
+def test_an_engine_refused_below_its_floor_names_serves_min_kv(
+    tmp_path: Path, min_kv: int, hinted: bool
+) -> None:
+    """The plugin's refusal speaks of ELASTICKV_BUDGET, which serve sets from the model's
+    ``min_kv``: serve's error names ``min_kv`` and the exact least it may be. At or above the
+    floor the refusal had another cause (the device budget full): no such hint."""
+    from aiohttp import ClientSession
+
+    from elastickv.integrations.vllm.engine.floor import needs_at_least
+
+    refusal = f"RuntimeError: the device budget is full; {needs_at_least(128 << 10)}: ..."
+    program = f"import sys; print({refusal!r}, file=sys.stderr); sys.exit(1)"
+    env = dict(os.environ, ELASTICKV_BUDGET=str(min_kv))
+    started = EngineLaunch("chat", (sys.executable, "-c", program), env, 1, tmp_path / "m.log")
+
+    async def scenario() -> str:
+        engine = await EngineProcess.start(started)
+        try:
+            async with ClientSession() as session:
+                with pytest.raises(EngineStartError) as refused:
+                    await engine.wait_healthy(session, timeout=60)
+        finally:
+            await engine.stop(timeout=5)
+        return str(refused.value)
+
+    message = asyncio.run(scenario())
+    hint = "its min_kv, 64K, is below the least it starts with, 128K"
+    assert (hint in message) is hinted, message
+    assert ('set min_kv = "128K" or more' in message) is hinted
+    assert needs_at_least(128 << 10) in message  # the log's tail, as before

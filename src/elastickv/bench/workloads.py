@@ -39,6 +39,12 @@ class Shape:
     max_output: int = 64
 
 
+def ramp_gap(peak: int) -> float:
+    """Seconds between two models' ramps by default: ``peak/4 + 2·peak``, as in kvcached's
+    benchmark (a ramp lasts ``2·peak − 1`` s, so bursts barely overlap)."""
+    return peak / 4 + 2 * peak
+
+
 def _ramp_times(start: float, peak: int) -> list[float]:
     rates = list(range(1, peak + 1)) + list(range(peak - 1, 0, -1))
     times: list[float] = []
@@ -66,8 +72,8 @@ def staggered_ramp(
     seed: int = 0,
 ) -> list[Arrival]:  # fmt: skip
     """Ramps 0 → ``peak`` → 1 req/s, model i+1 starting ``offset`` s after model i (default
-    ``peak/4 + 2·peak``, as in kvcached's benchmark)."""
-    gap = peak / 4 + 2 * peak if offset is None else offset
+    :func:`ramp_gap`)."""
+    gap = ramp_gap(peak) if offset is None else offset
     rng = random.Random(seed)
     arrivals = []
     for i, model in enumerate(models):
@@ -80,7 +86,7 @@ def correlated_burst(
     seed: int = 0,
 ) -> list[Arrival]:  # fmt: skip
     """The first two models ramp together; the others follow ``offset`` s apart."""
-    gap = peak / 4 + 2 * peak if offset is None else offset
+    gap = ramp_gap(peak) if offset is None else offset
     rng = random.Random(seed)
     arrivals = []
     for i, model in enumerate(models):

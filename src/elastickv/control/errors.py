@@ -77,7 +77,7 @@ class LimitBelowFloor(LedgerError, ValueError):
     it could never get under such a limit and would stay "draining" forever."""
 
     def __init__(self, name: str, limit: int, floor: int) -> None:
-        from elastickv.units import format_bytes
+        from elastickv.units import format_bytes, format_size
 
         self.name = name
         self.limit = limit
@@ -85,7 +85,7 @@ class LimitBelowFloor(LedgerError, ValueError):
         super().__init__(
             f"a limit of {format_bytes(limit)} is below the floor of instance {name!r}: it holds "
             f"{format_bytes(floor)} for as long as it runs (its null block's pages), so it "
-            f"could never get under that limit; set at least {format_bytes(floor)}"
+            f"could never get under that limit; set at least {format_size(floor)}"
         )
 
 

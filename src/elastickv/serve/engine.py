@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from elastickv.integrations.vllm.engine.floor import stated_floor
 from elastickv.ports import free_port
 from elastickv.serve.config import ModelConfig, ServeConfig, has_option
 from elastickv.serve.leftovers import (
@@ -33,6 +34,7 @@ from elastickv.serve.leftovers import (
     private_temp_env,
     remove_leftovers,
 )
+from elastickv.units import format_size
 
 PR_SET_PDEATHSIG = 1
 # ``ELASTICKV_*`` settings of serve's own environment that its engines inherit; every other one
@@ -67,6 +69,22 @@ _prctl = _libc.prctl  # resolved before any fork: the child only calls it
 
 class EngineStartError(RuntimeError):
     """The engine exited or did not become healthy; the message carries its log's tail."""
+
+
+def min_kv_hint(launch: EngineLaunch, log: str) -> str:
+    """Serve's setting to change when an elastic engine refused to start below its minimum:
+    serve hands it the model's ``min_kv`` as ``ELASTICKV_BUDGET``, which the engine's own
+    message names (empty when the log states no minimum above what it was given)."""
+    floor = stated_floor(log)
+    given = launch.env.get("ELASTICKV_BUDGET")
+    if floor is None or given is None or int(given) >= floor:
+        return ""
+    return (
+        f": its min_kv, {format_size(int(given))}, is below the least it starts with, "
+        f"{format_size(floor)} (its null block's pages; serve gives the engine its min_kv "
+        f'as ELASTICKV_BUDGET); set min_kv = "{format_size(floor)}" or more for it, or a '
+        "smaller [device] page_size"
+    )
 
 
 @dataclass(frozen=True)
@@ -262,9 +280,11 @@ class EngineProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.exited:
+                tail = self.log_tail()
                 raise EngineStartError(
                     f"the engine of {self.launch.name!r} exited during start-up (status "
-                    f"{self.proc.returncode}); log {self.launch.log_path}:\n{self.log_tail()}"
+                    f"{self.proc.returncode}){min_kv_hint(self.launch, tail)}; log "
+                    f"{self.launch.log_path}:\n{tail}"
                 )
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
                 async with session.get(

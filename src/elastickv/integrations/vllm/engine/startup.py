@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from elastickv import __version__
 from elastickv.alloc import PageMap, null_floor_bytes
-from elastickv.units import format_bytes
+from elastickv.integrations.vllm.engine.floor import needs_at_least
+from elastickv.units import format_bytes, format_size
 
 if TYPE_CHECKING:
     from elastickv.alloc import BlockAllocator
@@ -64,7 +65,7 @@ def startup_refusal(store: ElasticStore, registration: EngineRegistration | None
     pages = floor // per_page
     on_ranks = f" on each of its {store.ranks} ranks" if store.ranks > 1 else ""
     need = (
-        f"this engine needs at least {format_bytes(floor)} to start: its null block's "
+        f"{needs_at_least(floor)}: its null block's "
         f"{pages} page{'s' if pages != 1 else ''} of {format_bytes(config.page_size)}"
         f"{on_ranks}, held while it runs"
     )
@@ -87,7 +88,7 @@ def startup_refusal(store: ElasticStore, registration: EngineRegistration | None
     if info.limit_desired is not None and info.limit_desired < floor:
         return (
             f"{budget or 'the instance limit'} is below the minimum: {need}. Set "
-            f"ELASTICKV_BUDGET to at least {format_bytes(floor)}{smaller_pages}"
+            f"ELASTICKV_BUDGET to at least {format_size(floor)}{smaller_pages}"
         )
     usage = registration.ledger.device_usage()
     others = [
