@@ -313,13 +313,11 @@ async def wake_latency(base: str) -> dict[str, float | None]:
     return {k: sums[k] / counts[k] if counts.get(k) else None for k in sums}
 
 
-def workloads(
-    names: list[str], peak: int, shape: Shape, models: tuple[str, ...] = MODELS
-) -> dict[str, list[Any]]:
+def workloads(names: list[str], peak: int, shape: Shape) -> dict[str, list[Any]]:
     table = {
-        "ramp": lambda: staggered_ramp(models, peak, shape=shape, seed=1),
-        "correlated": lambda: correlated_burst(models, peak, shape=shape, seed=2),
-        "idle": lambda: idle_gaps(models, max(2, peak // 2), gap=IDLE_GAP_S, shape=shape, seed=3),
+        "ramp": lambda: staggered_ramp(MODELS, peak, shape=shape, seed=1),
+        "correlated": lambda: correlated_burst(MODELS, peak, shape=shape, seed=2),
+        "idle": lambda: idle_gaps(MODELS, max(2, peak // 2), gap=IDLE_GAP_S, shape=shape, seed=3),
     }
     return {name: table[name]() for name in names}
 

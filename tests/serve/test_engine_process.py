@@ -236,20 +236,23 @@ def test_a_stopped_engine_acts_on_its_sigterm(tmp_path: Path) -> None:
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize(("min_kv", "hinted"), [(64 << 10, True), (128 << 10, False)])
+@pytest.mark.parametrize(
+    ("min_kv", "hinted"), [(str(64 << 10), True), (str(128 << 10), False), ("50%", False)]
+)
 def test_an_engine_refused_below_its_floor_names_serves_min_kv(
-    tmp_path: Path, min_kv: int, hinted: bool
+    tmp_path: Path, min_kv: str, hinted: bool
 ) -> None:
     """The plugin's refusal speaks of ELASTICKV_BUDGET, which serve sets from the model's
     ``min_kv``: serve's error names ``min_kv`` and the exact least it may be. At or above the
-    floor the refusal had another cause (the device budget full): no such hint."""
+    floor the refusal had another cause (the device budget full): no such hint; nor for a
+    budget that is not serve's bytes."""
     from aiohttp import ClientSession
 
     from elastickv.integrations.vllm.engine.floor import needs_at_least
 
     refusal = f"RuntimeError: the device budget is full; {needs_at_least(128 << 10)}: ..."
     program = f"import sys; print({refusal!r}, file=sys.stderr); sys.exit(1)"
-    env = dict(os.environ, ELASTICKV_BUDGET=str(min_kv))
+    env = dict(os.environ, ELASTICKV_BUDGET=min_kv)
     started = EngineLaunch("chat", (sys.executable, "-c", program), env, 1, tmp_path / "m.log")
 
     async def scenario() -> str:

@@ -260,12 +260,16 @@ def test_models_added_and_removed_at_run_time(tmp_path: Path, temp_dir: Path) ->
         assert "b" not in elastickv_list(env)
         # A removal waits for the request in flight: new requests are refused at once (404),
         # the held one is answered once the gate opens, then the engine stops.
+        # The held request is in flight once a is serving again after the first request
+        # ended: that request's "idle -> serving" is logged already, and waiting for any such
+        # line let the removal begin before the held request arrived (a 404).
+        idle = serve.wait_for("a: serving -> idle")
         replies: queue.Queue[tuple[int, Any]] = queue.Queue()
         hold = {"model": "a", "prompt": "hold"}
         threading.Thread(
             target=lambda: replies.put(call(port, "POST", "/v1/completions", hold)), daemon=True
         ).start()
-        serve.wait_for("a: idle -> serving")
+        serve.wait_for("a: idle -> serving", after=idle)
         removals: queue.Queue[tuple[int, Any]] = queue.Queue()
         threading.Thread(
             target=lambda: removals.put(call(port, "DELETE", "/admin/models/a?drain=60")),

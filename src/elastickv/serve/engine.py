@@ -77,7 +77,7 @@ def min_kv_hint(launch: EngineLaunch, log: str) -> str:
     message names (empty when the log states no minimum above what it was given)."""
     floor = stated_floor(log)
     given = launch.env.get("ELASTICKV_BUDGET")
-    if floor is None or given is None or int(given) >= floor:
+    if floor is None or given is None or not given.isdigit() or int(given) >= floor:
         return ""
     return (
         f": its min_kv, {format_size(int(given))}, is below the least it starts with, "
