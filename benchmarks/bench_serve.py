@@ -68,7 +68,6 @@ from elastickv.bench.plot import plot_run, plot_sweep
 from elastickv.bench.repeats import RATIOS, over_runs
 from elastickv.bench.stats import memory_seconds, per_model, ratio
 from elastickv.bench.sweep import (
-    CountSearch,
     Point,
     Search,
     Trial,
@@ -517,9 +516,7 @@ def most_startable(mode: str, args: argparse.Namespace) -> int:
 def fit_arm(mode: str, args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The most models ``mode`` serves within the target under ``--budget``, and what
     bounds it: the target, the budget (no more models start) or ``--fit-max``."""
-    high = most_startable(mode, args)
-    if high == 0:
-        return {"most_startable": 0, "limited_by": "start", **CountSearch((), None, 1).as_json()}
+    high = most_startable(mode, args)  # at least 1: fit_errors refused a budget starting none
 
     def judge_at(count: int) -> Point:
         fleet = Fleet(count, args.min_kv)
