@@ -11,11 +11,14 @@ Three tiny models of different shapes (``tiny-llama``, ``tiny-llama-bf16``,
 Workloads (seeded; prompts of ``--prompt`` token ids, outputs 32–64 tokens, ``ignore_eos``):
 ``ramp`` (kvcached's staggered ramp 1 → P → 1 req/s, models ``P/4 + 2P`` s apart),
 ``correlated`` (two models ramp together), ``idle`` (bursts separated by gaps longer than
-the idle stop time: sleep and wake). Reported per model and arm: TTFT mean/p50/p99, end to
-end, time per output token, failures, vLLM preemptions and peak waiting requests (scraped
-from each engine), wake latency, memory-seconds; and static/elastic ratios. The regime is
-proven from the static arm's own counters: it must preempt or queue for the comparison to
-mean anything, and the report says so when it did not.
+the idle tier's time: a wake). Reported per model and arm: TTFT mean/p50/p99, end to end,
+time per output token, failures, vLLM preemptions and peak waiting requests (scraped from
+each engine), wake latency, KV memory-seconds; and static/elastic ratios. For the idle
+workload also the TTFT of the first request after each gap and the engines' resident
+memory-seconds (PSS). ``--tier`` chooses what an idle elastic model comes to: ``stop`` (its
+engine stops after 90 s) or ``asleep`` (its weights sleep after 30 s, its engine stays).
+The regime is proven from the static arm's own counters: it must preempt or queue for the
+comparison to mean anything, and the report says so when it did not.
 
 With ``--repeat N`` both arms run N times (fresh processes each time, the arm that goes
 first alternating) and every static/elastic ratio is reported as the median of the N runs
@@ -35,7 +38,7 @@ missed, then by bisection.
 
     .venv/bin/python benchmarks/bench_serve.py [--json] [--plot FILE.png]
         [--workloads ramp,correlated,idle] [--peak 12] [--budget 4992K] [--quick]
-        [--repeat N] [--min-kv request|floor]
+        [--repeat N] [--min-kv request|floor] [--tier stop|asleep]
     .venv/bin/python benchmarks/bench_serve.py --sweep [--slo 1.0] [--repeat 3]
         [--resolution 1.2] [--sweep-max 48M] [--arms static,elastic] [--json] [--plot F]
     .venv/bin/python benchmarks/bench_serve.py --fit [--budget 8M] [--slo 1.0] [--repeat 3]
@@ -66,7 +69,7 @@ from elastickv.bench.client import Result, run_schedule
 from elastickv.bench.monitor import Monitor, serve_ready
 from elastickv.bench.plot import plot_run, plot_sweep
 from elastickv.bench.repeats import RATIOS, over_runs
-from elastickv.bench.stats import memory_seconds, per_model, ratio
+from elastickv.bench.stats import after_idle, latency_summary, memory_seconds, per_model, ratio
 from elastickv.bench.sweep import (
     Point,
     Search,
@@ -112,6 +115,10 @@ RELEASE_AFTER_S = 5
 # longer still. Each model beyond three adds one ramp gap (:meth:`Fleet.stop_after_s`).
 STOP_AFTER_S = 90
 IDLE_GAP_S = 100
+# ``--tier asleep``: idle this long, an elastic model's weights sleep (its engine is never
+# stopped); shorter than the idle workload's gaps, longer than two ramp gaps at P = 12.
+SLEEP_AFTER_S = 30
+TIERS = ("stop", "asleep")
 TARGET_P99, TARGET_MEAN = 2.0, 1.25
 # The static arm is memory-bound if it preempted, was seen with waiting requests, or its
 # requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
@@ -151,6 +158,7 @@ class Fleet:
 
     count: int = len(SHAPES)
     min_kv: str = "request"
+    tier: str = "stop"  # what an idle elastic model comes to: a :data:`TIERS` name
 
     @property
     def shapes(self) -> dict[str, str]:
@@ -239,9 +247,17 @@ def config_text(
             f"args = {json.dumps(ENGINE_ARGS)}",
             f"min_kv = {min_kv[name]}",
             f'release_after = "{RELEASE_AFTER_S}s"',
-            f'stop_after = "{fleet.stop_after_s(peak)}s"',
+            *idle_tiers(fleet, peak),
         ]
     return "\n".join(lines) + "\n"
+
+
+def idle_tiers(fleet: Fleet, peak: int) -> list[str]:
+    """The elastic arm's idle tiers after the KV release: its engine stopped, or its weights
+    asleep (then never stopped)."""
+    if fleet.tier == "asleep":
+        return [f'sleep_after = "{SLEEP_AFTER_S}s"', 'stop_after = "never"']
+    return ['sleep_after = "never"', f'stop_after = "{fleet.stop_after_s(peak)}s"']
 
 
 class ArmStartError(RuntimeError):
@@ -341,6 +357,8 @@ def run_arm(
                 "queue_s": monitor.queue_s,
                 "states": {m: sorted(s) for m, s in monitor.states.items()},
                 "memory_gib_s": memory_seconds(monitor.memory),
+                "resident_gib_s": memory_seconds(monitor.resident),
+                "after_idle": latency_summary(after_idle(results, IDLE_GAP_S / 2)),
                 "peak_total_bytes": max((sum(s.values()) for _, s in monitor.memory), default=0),
             }
         out["wake_latency_s"] = asyncio.run(wake_latency(base))
@@ -381,6 +399,8 @@ def report(
             "elastic_queue_s": e["queue_s"],
             "elastic_states_seen": e["states"],
             "memory_gib_s": {"static": s["memory_gib_s"], "elastic": e["memory_gib_s"]},
+            "resident_gib_s": {"static": s["resident_gib_s"], "elastic": e["resident_gib_s"]},
+            "after_idle": {"static": s["after_idle"], "elastic": e["after_idle"]},
             "peak_total_bytes": {"static": s["peak_total_bytes"], "elastic": e["peak_total_bytes"]},
             "failed": {
                 "static": s["summary"]["all"]["failed"],
@@ -705,6 +725,7 @@ def print_table(doc: dict[str, Any]) -> None:
                 f"{_fmt(s['e2e_mean']) + '/' + _fmt(e['e2e_mean']):>18} "
                 f"{_fmt(s['tpot_mean']) + '/' + _fmt(e['tpot_mean']):>14} {ms:>14}"
             )
+        print_after_idle(w)
     if "target" in doc:
         t = doc["target"]
         print(
@@ -713,6 +734,24 @@ def print_table(doc: dict[str, Any]) -> None:
             f"(p99 {t['p99_ttft_ratio']}, mean {t['mean_ttft_ratio']})"
         )
     print(f"wake latency (elastic, mean s by model/tier): {doc['wake_latency_s']}")
+
+
+def print_after_idle(workload: dict[str, Any]) -> None:
+    """A workload's first requests after an idle gap, and the engines' resident memory."""
+    after = workload.get("after_idle")
+    if not after or not after["elastic"]["requests"]:
+        return
+    s, e = after["static"], after["elastic"]
+    resident = {arm: sum(v.values()) for arm, v in workload["resident_gib_s"].items()}
+    print(
+        f"   first request after an idle gap ({e['requests']}): TTFT mean "
+        f"{_fmt(s['ttft_mean'])}/{_fmt(e['ttft_mean'])} s, max p99 "
+        f"{_fmt(s['ttft_p99'])}/{_fmt(e['ttft_p99'])} s (static/elastic)"
+    )
+    print(
+        f"   engines' resident memory (PSS) {resident['static']:.1f}/{resident['elastic']:.1f} "
+        "GiB·s (static/elastic)"
+    )
 
 
 def search_errors(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -820,6 +859,13 @@ def main() -> None:
         "(floor)",
     )
     parser.add_argument(
+        "--tier",
+        choices=TIERS,
+        default="stop",
+        help=f"what an idle elastic model comes to: its engine stopped after {STOP_AFTER_S} s "
+        f"(stop, default) or its weights asleep after {SLEEP_AFTER_S} s (asleep)",
+    )
+    parser.add_argument(
         "--arms",
         help="--sweep's or --fit's arms, searched in this order (static,elastic)",
     )
@@ -887,7 +933,7 @@ def run_sweep(args: argparse.Namespace) -> None:
 def compare(args: argparse.Namespace, names: list[str], plan: dict[str, list[Any]]) -> None:
     """Both arms at one budget, ``--repeat`` times, and their ratios."""
     budget = args.budget
-    fleet = Fleet(min_kv=args.min_kv)
+    fleet = Fleet(min_kv=args.min_kv, tier=args.tier)
     runs: list[dict[str, Any]] = []
     arms: dict[str, dict[str, Any]] = {}
     for index in range(args.repeat):
@@ -899,7 +945,7 @@ def compare(args: argparse.Namespace, names: list[str], plan: dict[str, list[Any
                 mode: run_arm(mode, budget, Path(tmp), plan, fleet, args.peak) for mode in order
             }
         arms = arms or done  # the first run's arms are the ones plotted
-        runs.append(report(done["static"], done["elastic"], names, budget))
+        runs.append({**report(done["static"], done["elastic"], names, budget), "tier": args.tier})
     static, elastic = arms["static"], arms["elastic"]
     doc = (
         runs[0]

@@ -125,6 +125,21 @@ def test_the_config_serves_each_name_with_its_shape(bench: ModuleType, tmp_path:
     ]
 
 
+@pytest.mark.parametrize(
+    ("tier", "tiers"), [("stop", (5.0, None, 90.0)), ("asleep", (5.0, 30.0, None))]
+)
+def test_the_elastic_arms_idle_tier(
+    bench: ModuleType, tmp_path: Path, tier: str, tiers: tuple[float | None, ...]
+) -> None:
+    """``--tier``: an idle model's engine stops (and never sleeps), or its weights sleep
+    (and it never stops), in time for the idle workload's gaps."""
+    path = tmp_path / "serve.toml"
+    path.write_text(bench.config_text("elastic", 8 << 20, 8000, tmp_path, bench.Fleet(tier=tier)))
+    for m in load_config(path).models:
+        assert (m.release_after_s, m.sleep_after_s, m.stop_after_s) == tiers
+    assert bench.SLEEP_AFTER_S < bench.IDLE_GAP_S / 2
+
+
 def test_the_committed_results_print_as_docs_benchmarks_quotes_them(
     bench: ModuleType, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -169,6 +169,10 @@ def test_list_json_reports_every_field(ledger: Ledger, child: subprocess.Popen[s
             "refusals": 0,
             "releases": 0,
             "registered_at": llama["registered_at"],
+            "floor_bytes": 0,
+            "sleep_wanted": False,
+            "asleep": False,
+            "sleep_refused": False,
         }
         assert abs(llama["registered_at"] - time.time()) < 120
         assert instances["qwen-b"]["limit_desired"] is None

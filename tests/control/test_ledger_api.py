@@ -372,3 +372,39 @@ def test_over_limit_is_answered_from_the_seen_limit_until_it_changes(
     monkeypatch.setattr(ledger_module, "OVER_LIMIT_VIEW_NS", 0)
     assert a.over_limit_bytes() == 0
     assert reads == ["info"]
+
+
+def test_a_sleep_request_and_its_answer_round_trip(ledger: Ledger) -> None:
+    """Serve asks through the record; the owner answers in it; withdrawing forgets a refusal.
+    The bits survive every other write to the record (admission, limits, credit, floor)."""
+    handle = ledger.register("sleepy", limit=8 * MiB)
+    other = ledger.register("awake")
+
+    def flags(name: str) -> tuple[bool, bool, bool]:
+        (info,) = [i for i in ledger.list_instances() if i.name == name]
+        return info.sleep_wanted, info.asleep, info.sleep_refused
+
+    assert flags("sleepy") == (False, False, False) and not handle.sleep_wanted()
+    ledger.request_sleep("sleepy")
+    assert handle.sleep_wanted() and flags("sleepy") == (True, False, False)
+    assert flags("awake") == (False, False, False) and not other.sleep_wanted()
+    handle.set_sleep_state(asleep=True)
+    assert handle.try_admit(MiB)
+    ledger.set_limit("sleepy", 4 * MiB)
+    handle.settle(MiB, MiB)
+    handle.set_floor_bytes(PAGE)
+    handle.release(MiB)
+    assert flags("sleepy") == (True, True, False)
+    ledger.request_sleep("sleepy", False)
+    assert flags("sleepy") == (False, True, False)  # the owner wakes, then says so
+    handle.set_sleep_state(asleep=False)
+    ledger.request_sleep("sleepy")
+    handle.set_sleep_state(asleep=False, refused=True)
+    assert flags("sleepy") == (True, False, True)
+    ledger.request_sleep("sleepy", False)
+    assert flags("sleepy") == (False, False, False)
+    with pytest.raises(UnknownInstance, match="no live instance named 'nobody'"):
+        ledger.request_sleep("nobody")
+    handle.close()
+    with pytest.raises(InstanceClosed):
+        handle.sleep_wanted()

@@ -9,10 +9,12 @@ run with the same engine arguments.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -69,6 +71,8 @@ LOAD_REQUESTS = 16
 LOAD_WORDS = 76
 LOAD_TOKENS = 48
 RELEASE_AFTER_S = 3
+# Alpha (pinned) is put to sleep after this long idle: its weights released, its engine up.
+SLEEP_AFTER_S = 5
 # How far apart two logprobs may be and still count as the same value: computing the same
 # requests in other batches moves a logprob (native vLLM, the load batched 16, 4 or 1 at a
 # time). Sized when vLLM's dtype auto ran alpha (tiny-llama) in bf16: its top-2 margins were
@@ -177,6 +181,12 @@ def wait_healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> None:
     assert wait_until(healthy, 400, 0.5) is not None, log.read_text()[-3000:]
 
 
+def ledger_record(ledger_dir: Path, name: str) -> dict[str, Any] | None:
+    with open_ledger("host", directory=str(ledger_dir), create=False) as ledger:
+        found = [i for i in ledger.list_instances() if i.name == name]
+    return None if not found else dataclasses.asdict(found[0])
+
+
 def ledger_names(ledger_dir: Path) -> dict[str, int]:
     if not (ledger_dir / "host.ledger").exists():
         return {}
@@ -243,6 +253,7 @@ def serve_config(path: Path, port: int, log_dir: Path) -> Path:
             f'[[model]]\nname = "{name}"\nmodel = "{model}"\nargs = {json.dumps(ENGINE_ARGS)}\n'
             f"min_kv = {MIN_KV}\npriority = 0\npinned = {str(pinned).lower()}\n"
             f'release_after = "{RELEASE_AFTER_S}s"\n'
+            f'sleep_after = "{f"{SLEEP_AFTER_S}s" if pinned else "never"}"\n'
             f'stop_after = "{"never" if pinned else f"{STOP_AFTER_S}s"}"\n'
         )
     path.write_text(
@@ -254,9 +265,10 @@ def serve_config(path: Path, port: int, log_dir: Path) -> Path:
     return path
 
 
-def engine_wakes(metrics: str, name: str) -> float:
-    """How many times serve woke ``name``'s stopped engine (its ``/metrics``)."""
-    prefix = f'elastickv_router_wake_seconds_count{{model="{name}",tier="engine"}} '
+def engine_wakes(metrics: str, name: str, tier: str = "engine") -> float:
+    """How many times serve woke ``name`` from ``tier`` (its ``/metrics``): its stopped
+    engine, or its sleeping weights (``weights``)."""
+    prefix = f'elastickv_router_wake_seconds_count{{model="{name}",tier="{tier}"}} '
     found = [line for line in metrics.splitlines() if line.startswith(prefix)]
     return float(found[0][len(prefix) :]) if found else 0.0
 
@@ -320,8 +332,10 @@ def serve_run(
             # Sampled while it served: alpha may finish, idle and release before beta is done.
             r["alpha_busy_footprint"] = sampler.peak_footprint[pool]
             # Sampling goes on while the models go idle and release: limits come down again.
+            # Alpha may be asleep already (its tier after kv-released) when beta releases.
             r["released_after_s"] = wait_until(
-                lambda: {m["state"] for m in describe(base).values()} == {"kv-released"}, HANG_S
+                lambda: {m["state"] for m in describe(base).values()} <= {"kv-released", "asleep"},
+                HANG_S,
             )
         r["load"] = {name: outputs(by_model[name]) for name in MODELS}
         r["load_top"] = {name: [top_logprobs(rep) for rep in by_model[name]] for name in MODELS}
@@ -342,6 +356,21 @@ def serve_run(
 
         r["alpha_floor_s"] = wait_until(at_the_floor, HANG_S)
         r["after_release"] = outputs([post(base, *workload("alpha")["completions"][0])])
+        # 3b. Idle longer → asleep: the engine released its weights (its log says how many
+        # bytes) and its ledger record says so; requests wake it and are answered as native.
+        r["alpha_asleep_s"] = wait_until(lambda: state_of(base, "alpha") == "asleep", HANG_S)
+        r["alpha_asleep_record"] = ledger_record(ledger_dir, "alpha")
+        r["alpha_asleep"] = describe(base)["alpha"]
+        r["weights_wakes_before"] = engine_wakes(urlread(base + "/metrics"), "alpha", "weights")
+        r["after_sleep"] = outputs(post_each(base, workload("alpha")["completions"]))
+        r["weights_woken_s"] = wait_until(
+            lambda: (
+                engine_wakes(urlread(base + "/metrics"), "alpha", "weights")
+                > r["weights_wakes_before"]
+            ),
+            HANG_S,
+        )
+        r["alpha_awake_record"] = ledger_record(ledger_dir, "alpha")
         # 4. Stopped → several requests wait during the wake → all answered.
         # Stopped, its record gone, and the arbiter's next look no longer sees one; nothing
         # wakes it until the requests below, so the description read after holds.
@@ -433,7 +462,10 @@ def serve_run(
         r["killed_rpc_gone_s"] = wait_until(lambda: not killed_rpc.exists(), 10)
         r["after_restart"] = outputs(post_each(base, workload("beta")["completions"]))
         r["restarts"] = describe(base)["beta"]["restarts"]
-        # 6. kill -9 elastickv serve itself: nothing of it is left.
+        # 6. kill -9 elastickv serve itself, with alpha asleep: nothing of it is left. (Alpha
+        # idled while beta restarted; this waits at most sleep_after if it did not yet sleep.)
+        r["asleep_before_kill_s"] = wait_until(lambda: state_of(base, "alpha") == "asleep", HANG_S)
+        r["alpha_log"] = Path(describe(base)["alpha"]["log"]).read_text(errors="replace")
         engines = {name: m["engine_pid"] for name, m in describe(base).items()}
         orphaned_rpc = [rpc_dir(pid)["path"] for pid in engines.values()]
         os.kill(proc.pid, signal.SIGKILL)
@@ -558,12 +590,34 @@ def test_idle_model_releases_its_kv_and_serves_again(
 ) -> None:
     assert serve_run["released_after_s"] is not None
     released = serve_run["alpha_released"]  # the floor reached, or the last reading
-    assert released["state"] == "kv-released"
+    assert released["state"] in ("kv-released", "asleep")  # asleep: the tier after
     # The footprint fell to the engine's floor (its null block's pages).
     assert released["committed_bytes"] <= 4 * PAGE, released
     assert serve_run["alpha_released_footprint"] == released["committed_bytes"]
     assert serve_run["alpha_released_footprint"] < serve_run["alpha_busy_footprint"]
     assert serve_run["after_release"] == native_and_orphan["alpha"]["completions"][:1]
+
+
+def test_a_sleeping_model_is_answered_as_native_and_its_wake_timed(
+    serve_run: dict[str, Any], native_and_orphan: dict[str, Any]
+) -> None:
+    """Idle past sleep_after, alpha's engine released its weights (the engine's log counts
+    the bytes) and said so in its record; its requests woke it and equal native vLLM's."""
+    assert serve_run["alpha_asleep_s"] is not None
+    asleep, awake = serve_run["alpha_asleep_record"], serve_run["alpha_awake_record"]
+    assert asleep["asleep"] and asleep["sleep_wanted"] and not asleep["sleep_refused"]
+    assert not awake["asleep"] and not awake["sleep_wanted"]
+    assert asleep["committed_bytes"] + asleep["reserved_bytes"] <= 4 * PAGE  # KV at the floor
+    assert serve_run["alpha_asleep"]["engine_pid"] is not None  # the process stays up
+    assert serve_run["after_sleep"] == native_and_orphan["alpha"]["completions"]
+    assert serve_run["weights_woken_s"] is not None
+    found = re.findall(
+        r"weights asleep on 1 rank\(s\): (\d+) parameter bytes", serve_run["alpha_log"]
+    )
+    # At least the embedding (the linear layers' packed copies come on top).
+    spec = BUILTIN_MODELS[MODELS["alpha"]]
+    assert len(found) >= 2, found  # asleep at 3b, and again before the kill
+    assert min(int(n) for n in found) >= spec.vocab_size * spec.hidden_size * 4, found
 
 
 def test_stopped_model_wakes_with_requests_waiting(
@@ -614,6 +668,8 @@ def test_engine_sockets_are_private_and_gone_with_the_engine(serve_run: dict[str
 
 
 def test_kill_9_of_serve_leaves_nothing(serve_run: dict[str, Any]) -> None:
+    """Also with a sleeping engine: alpha was asleep when serve was killed."""
+    assert serve_run["asleep_before_kill_s"] is not None
     assert serve_run["serve_killed_engines_gone_s"] is not None, serve_run["serve_log"]
     assert serve_run["serve_killed_records_gone_s"] is not None
 

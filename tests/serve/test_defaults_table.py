@@ -66,6 +66,7 @@ def described(config: ServeConfig, model: ModelConfig) -> dict[str, str]:
         "priority": str(model.priority),
         "pinned": str(model.pinned).lower(),
         "release_after": duration(model.release_after_s),
+        "sleep_after": duration(model.sleep_after_s),
         "stop_after": duration(model.stop_after_s),
         "args": " ".join(model.args) or "none",
         "log_dir": "a" if config.log_dir is None else config.log_dir,

@@ -105,6 +105,8 @@ def served(
         release_kv=nothing,
         engine_ready=nothing,
         woke=lambda *a: None,
+        request_sleep=lambda *a: None,
+        sleep_answer=lambda _: None,
     )
     model = ServedModel(
         ModelConfig(name=name, source="tiny-llama", **config), hooks, queue_limit=queue_limit,

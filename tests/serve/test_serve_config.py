@@ -463,3 +463,42 @@ def test_cli_key_flags_check_and_never_print_the_key(tmp_path: Path) -> None:
     assert (
         proc.returncode == 2 and "--api-key-file" in proc.stderr and "no such file" in proc.stderr
     )
+
+
+@pytest.mark.parametrize(
+    ("fields", "sleep_after"),
+    [
+        ({}, 120.0),  # release 30 s < 2 min < stop 10 min
+        ({"pinned": True}, 120.0),  # never stopped, still put to sleep
+        ({"stop_after": "90s"}, None),  # stops before the default sleep: never sleeps
+        ({"release_after": "5m"}, None),
+        ({"sleep_after": "never"}, None),
+        ({"sleep_after": "45s", "stop_after": "never"}, 45.0),
+        ({"release_after": "never", "sleep_after": "10s"}, 10.0),
+    ],
+)
+def test_sleep_after_sits_between_release_and_stop(
+    fields: dict[str, object], sleep_after: float | None
+) -> None:
+    (m,) = config_from_mapping(mapping(model(**fields)), source="t").models
+    assert m.sleep_after_s == sleep_after
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"sleep_after": "20s"}, "sleep_after = 20s is not longer than its release_after = 30s"),
+        ({"sleep_after": "10m"}, "sleep_after = 600s is not shorter than its stop_after = 600s"),
+        ({"sleep_after": "0s"}, "sleep_after = .0s.: not a positive duration"),
+        ({"sleep_after": "soon"}, "sleep_after"),
+        ({"sleep_after": "1m", "pd": True}, "sleep_after is not supported for a pd model"),
+    ],
+)
+def test_bad_sleep_after_is_refused(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ServeConfigError, match=message):
+        config_from_mapping(mapping(model(**fields)), source="t")
+
+
+def test_pd_engines_stay_awake() -> None:
+    engines = config_from_mapping(mapping(model(pd=True, min_kv="8M")), source="t").models
+    assert [m.sleep_after_s for m in engines] == [None, None]

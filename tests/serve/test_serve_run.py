@@ -168,6 +168,71 @@ def test_the_log_follows_every_state_and_nothing_is_left(tmp_path: Path, temp_di
     assert sorted(p.name for p in temp_dir.iterdir()) == ["gate"]
 
 
+def eventually(read: Any, timeout: float = 60) -> Any:
+    """The first value of ``read()`` that is not None (the timeout is only against a hang)."""
+    deadline = time.monotonic() + timeout
+    while (value := read()) is None:
+        assert time.monotonic() < deadline, "no value came"
+        time.sleep(0.05)
+    return value
+
+
+def metric(port: int, line_prefix: str) -> float:
+    """One sample of serve's ``/metrics`` (0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    found = [line for line in text.splitlines() if line.startswith(line_prefix + " ")]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_idle_models_sleep_and_wake_on_a_request(tmp_path: Path, temp_dir: Path) -> None:
+    """Tiers in order: kv-released, then asleep once the engine answers the request in its
+    ledger record; a request wakes it (answered, the wake timed), and it sleeps again. An
+    engine that refuses stays kv-released and is not asked again."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    tiers = 'release_after = "1s"\nsleep_after = "2s"\nstop_after = "never"\n'
+    path = tmp_path / "serve.toml"
+    path.write_text(
+        f'python = "{sys.executable}"\n[router]\nport = {(port := free_port())}\n'
+        '[device]\nbudget = "8M"\npage_size = "64K"\n'
+        f'[[model]]\nname = "a"\nmodel = "{model}"\nmin_kv = "1M"\n{tiers}'
+        f'[[model]]\nname = "b"\nmodel = "{model}"\nmin_kv = "1M"\n{tiers}'
+        'env = { STANDIN_NO_SLEEP = "1" }\n'
+    )
+    env = environment(temp_dir, tmp_path / "ledger")
+    serve = Serve(["--config", str(path)], env)
+    try:
+        serve.wait_for("serving a, b at")
+        asleep = serve.wait_for("a: kv-released -> asleep")
+        listed = elastickv_list(env)
+        assert listed["a"]["model"]["state"] == "asleep"
+        assert listed["a"]["record"]["asleep"] and listed["a"]["record"]["sleep_wanted"]
+        # The engine's memory, read every few seconds: there by the next reading.
+        resident = eventually(lambda: elastickv_list(env)["a"]["model"]["resident_bytes"])
+        assert resident > 4 << 20  # a Python interpreter, at least
+        serve.wait_for("b: cannot sleep: its engine cannot release its weights")
+        listed = elastickv_list(env)
+        assert listed["b"]["model"]["state"] == "kv-released"
+        assert listed["b"]["model"]["sleep_refused"].startswith("its engine cannot")
+        assert not listed["b"]["record"]["sleep_wanted"]  # withdrawn: not asked again
+        assert not listed["b"]["record"]["sleep_refused"]
+        status, _ = call(port, "POST", "/v1/completions", {"model": "a", "prompt": "hi"})
+        assert status == 200
+        woke = serve.wait_for("a: asleep -> serving", after=asleep)
+        weights = 'elastickv_router_wake_seconds_count{model="a",tier="weights"}'
+        assert eventually(lambda: metric(port, weights) or None) == 1.0  # timed within 20 ms
+        serve.wait_for("a: kv-released -> asleep", after=woke)  # and asleep again
+        assert not any("b: kv-released -> asleep" in line for line in serve.lines)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serve.proc.pid, signal.SIGTERM)
+    lines = serve.rest()
+    assert serve.proc.returncode == 0, "\n".join(lines)
+    assert lines[-1].endswith("elastickv serve: stopped: 2 engines, nothing left"), lines[-1]
+
+
 def test_a_refused_start_leaves_no_log_folder(tmp_path: Path, temp_dir: Path) -> None:
     env = environment(temp_dir, tmp_path / "ledger")
     proc = subprocess.run(

@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-READY_STATES = frozenset({"idle", "serving", "kv-released", "stopped"})
+READY_STATES = frozenset({"idle", "serving", "kv-released", "asleep", "stopped"})
 
 
 def serve_ready(base: str) -> bool:
@@ -49,6 +49,8 @@ class Monitor:
         self.base = base
         self.interval = interval
         self.memory: list[tuple[float, dict[str, int]]] = []
+        # Each engine's resident memory (PSS) as serve reads it (absent: no engine).
+        self.resident: list[tuple[float, dict[str, int]]] = []
         self.latest: list[dict[str, Any]] = []
         self.states: dict[str, set[str]] = {m: set() for m in models}
         self.preemptions: dict[str, float] = dict.fromkeys(models, 0.0)
@@ -67,7 +69,12 @@ class Monitor:
                     models = (await response.json())["models"]
                 self.latest = models
                 sample = {m["name"]: m["committed_bytes"] or 0 for m in models}
-                self.memory.append((time.monotonic() - start, sample))
+                now = time.monotonic() - start
+                self.memory.append((now, sample))
+                resident = {
+                    m["name"]: m["resident_bytes"] for m in models if m.get("resident_bytes")
+                }
+                self.resident.append((now, resident))
                 for m in models:
                     self.states.setdefault(m["name"], set()).add(m["state"])
                 if tick % 4 == 0:

@@ -46,6 +46,19 @@ def per_model(results: Sequence[Result], models: Sequence[str]) -> dict[str, dic
     return summary
 
 
+def after_idle(results: Sequence[Result], idle_s: float) -> list[Result]:
+    """The requests each sent after its model had no request sent for at least ``idle_s``:
+    the first of every burst but the model's first (what a wake from a tier costs)."""
+    found = []
+    last: dict[str, float] = {}
+    for result in sorted(results, key=lambda r: r.sent_at):
+        before = last.get(result.model)
+        if before is not None and result.sent_at - before >= idle_s:
+            found.append(result)
+        last[result.model] = result.sent_at
+    return found
+
+
 def memory_seconds(samples: Sequence[tuple[float, Mapping[str, int]]]) -> dict[str, float]:
     """∫ bytes dt per model (GiB·s) over (time, {model: bytes}) samples, trapezoids."""
     totals: dict[str, float] = {}

@@ -108,6 +108,8 @@ def render_list(
         state = "alive" if info.alive else "dead"
         if info.name in states:
             state += f", {states[info.name]}"
+        elif info.asleep:  # an engine put to sleep outside serve (the ledger API)
+            state += ", asleep"
         if info.draining:
             state += f", draining {format_bytes(info.over_limit_bytes)}"
         table.add_row(

@@ -121,6 +121,10 @@ def instance_dict(info: InstanceInfo) -> dict[str, Any]:
         "refusals": info.refusals,
         "releases": info.releases,
         "registered_at": info.registered_at,
+        "floor_bytes": info.floor_bytes,
+        "sleep_wanted": info.sleep_wanted,
+        "asleep": info.asleep,
+        "sleep_refused": info.sleep_refused,
     }
 
 

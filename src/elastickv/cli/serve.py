@@ -133,10 +133,11 @@ def _describe(config: Any) -> str:
     for m in config.models:
         stop = "never" if m.pinned or m.stop_after_s is None else f"{m.stop_after_s:g}s"
         release = "never" if m.release_after_s is None else f"{m.release_after_s:g}s"
+        sleep = "never" if m.sleep_after_s is None else f"{m.sleep_after_s:g}s"
         lines.append(
             f"  {m.name}: {m.source}  min_kv {format_bytes(m.min_kv)}  cap "
             f"{format_bytes(config.cap_of(m))}  priority {m.priority}  release after {release}"
-            f"  stop after {stop}"
+            f"  sleep after {sleep}  stop after {stop}"
             + (f"  args {' '.join(engine_args(m))}" if engine_args(m) else "")
         )
     return "\n".join(lines)

@@ -55,6 +55,8 @@ def _instance_state(info: InstanceInfo, served: str | None = None) -> Text:
         text = Text(f"limit {limit_text(info.limit_desired)} r{info.limit_revision}")
     if served is not None:
         text.append(f" {served}", style="cyan")
+    elif info.asleep:
+        text.append(" asleep", style="cyan")
     return text
 
 

@@ -31,6 +31,11 @@ class InstanceInfo:
     releases: int
     registered_at: float
     floor_bytes: int = 0  # held for the instance's whole life: no limit below it is accepted
+    # The model's weights (``elastickv serve``'s asleep tier): sleep asked for, the owner's
+    # answer (asleep now), or the owner's refusal (it cannot release them: a GPU engine).
+    sleep_wanted: bool = False
+    asleep: bool = False
+    sleep_refused: bool = False
 
     @property
     def used_bytes(self) -> int:

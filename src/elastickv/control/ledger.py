@@ -46,6 +46,7 @@ from elastickv.control.paths import HOST_DEVICE, ensure_directory, ledger_direct
 from elastickv.control.records import (
     F_ADMISSIONS,
     F_COMMITTED,
+    F_FLAGS,
     F_FLOOR,
     F_LIMIT,
     F_NONCE,
@@ -54,7 +55,10 @@ from elastickv.control.records import (
     F_RELEASES,
     F_RESERVED,
     F_REVISION,
+    FLAG_ASLEEP,
     FLAG_IN_USE,
+    FLAG_SLEEP_REFUSED,
+    FLAG_SLEEP_WANTED,
     FREE_RECORD,
     MAX_CAPACITY,
     NO_LIMIT,
@@ -331,6 +335,16 @@ class Ledger:
             return True
         return bool(self._sweep(segment)) and self._others_used(segment, slot) + need <= budget
 
+    def _named(self, segment: Segment, name: str) -> tuple[int, Record]:
+        """The live record named ``name`` and its slot (``UnknownInstance`` if none)."""
+        found = [(s, r) for s, r in self._live_records(segment) if r.name == name]
+        if not found:
+            raise UnknownInstance(
+                f"no live instance named {name!r} in {segment.path}; "
+                "`elastickv list` (in Python: list_instances()) shows the registered names"
+            )
+        return found[0]
+
     def _own_raw(self, segment: Segment, handle: InstanceHandle) -> list[Any]:
         offset = record_offset(handle.slot)
         try:
@@ -380,6 +394,9 @@ class Ledger:
             releases=record.releases,
             registered_at=record.registered_ns / 1e9,
             floor_bytes=record.floor,
+            sleep_wanted=bool(record.flags & FLAG_SLEEP_WANTED),
+            asleep=bool(record.flags & FLAG_ASLEEP),
+            sleep_refused=bool(record.flags & FLAG_SLEEP_REFUSED),
         )
 
     def _usage(self, segment: Segment, records: list[tuple[int, Record]]) -> DeviceUsage:
@@ -605,6 +622,21 @@ class Ledger:
         finally:
             self._exit()
 
+    def _own_flags(self, handle: InstanceHandle, set_bits: int = 0, clear_bits: int = 0) -> int:
+        """The owner's record flags, with ``set_bits`` set and ``clear_bits`` cleared first
+        (written only when they change); returns the flags now."""
+        segment = self._enter()
+        try:
+            raw = self._own_raw(segment, handle)
+            flags: int = (raw[F_FLAGS] | set_bits) & ~clear_bits
+            if flags != raw[F_FLAGS]:
+                raw[F_FLAGS] = flags
+                write_raw(segment.mm, record_offset(handle.slot), raw)
+                segment.bump_generation()
+            return flags
+        finally:
+            self._exit()
+
     def _available(self, handle: InstanceHandle) -> int:
         segment = self._enter()
         try:
@@ -687,13 +719,7 @@ class Ledger:
         try:
             self._sweep(segment)
             desired = self._resolve_limit(segment, limit)
-            found = [(s, r) for s, r in self._live_records(segment) if r.name == name]
-            if not found:
-                raise UnknownInstance(
-                    f"no live instance named {name!r} in {segment.path}; "
-                    "`elastickv list` (in Python: list_instances()) shows the registered names"
-                )
-            slot, record = found[0]
+            slot, record = self._named(segment, name)
             if expected_revision is not None and expected_revision != record.limit_revision:
                 raise StaleRevision(name, expected_revision, record.limit_revision)
             if desired is not None and desired < record.floor:
@@ -709,6 +735,25 @@ class Ledger:
             if handle is not None and handle.nonce == record.nonce:
                 handle._saw_limit(NO_LIMIT if desired is None else desired, revision)
             return revision
+        finally:
+            self._exit()
+
+    def request_sleep(self, name: str, wanted: bool = True) -> None:
+        """Ask instance ``name`` to put its model's weights to sleep (``wanted``), or to keep
+        them awake (False: a sleeping one wakes, and a refusal is forgotten). The owner
+        answers in its record (``InstanceInfo.asleep`` / ``sleep_refused``) when it next
+        looks: an engine looks while it idles. ``UnknownInstance`` when no live record has
+        that name."""
+        segment = self._enter()
+        try:
+            self._sweep(segment)
+            slot, record = self._named(segment, name)
+            flags = record.flags | FLAG_SLEEP_WANTED
+            if not wanted:
+                flags &= ~(FLAG_SLEEP_WANTED | FLAG_SLEEP_REFUSED)
+            if flags != record.flags:
+                self._write(segment, slot, dataclasses.replace(record, flags=flags))
+                segment.bump_generation()
         finally:
             self._exit()
 
@@ -925,6 +970,20 @@ class InstanceHandle:
         _check_bytes(nbytes)
         self._check_open()
         self._ledger._set_floor(self, nbytes)
+
+    def sleep_wanted(self) -> bool:
+        """Whether this instance was asked to put its weights to sleep
+        (:meth:`Ledger.request_sleep`)."""
+        self._check_open()
+        return bool(self._ledger._own_flags(self) & FLAG_SLEEP_WANTED)
+
+    def set_sleep_state(self, *, asleep: bool, refused: bool = False) -> None:
+        """Answer a sleep request in the record: asleep now (or awake again), or ``refused``
+        (this instance cannot release its weights; cleared when the request is withdrawn)."""
+        self._check_open()
+        set_bits = (FLAG_ASLEEP if asleep else 0) | (FLAG_SLEEP_REFUSED if refused else 0)
+        clear_bits = (0 if asleep else FLAG_ASLEEP) | (0 if refused else FLAG_SLEEP_REFUSED)
+        self._ledger._own_flags(self, set_bits, clear_bits)
 
     def available_bytes(self) -> int:
         """What ``try_admit`` could grant now (a snapshot)."""

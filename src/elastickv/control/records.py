@@ -29,6 +29,13 @@ NAME_BYTES = 64
 DEVICE_KEY_BYTES = 64
 NO_LIMIT = -1
 FLAG_IN_USE = 1
+# Sleep of the instance's model weights (``elastickv serve``'s asleep tier): wanted is written
+# by whoever steers the instance, asleep and refused by its owner. Readers ignore bits they do
+# not know, so these need no format version.
+FLAG_SLEEP_WANTED = 2
+FLAG_ASLEEP = 4
+FLAG_SLEEP_REFUSED = 8
+SLEEP_FLAGS = FLAG_SLEEP_WANTED | FLAG_ASLEEP | FLAG_SLEEP_REFUSED
 
 # magic, version, header size, record size, capacity, reserved, device key, total bytes,
 # utilization, headroom bytes, created (ns since the epoch), segment id (random per reset)
@@ -318,7 +325,7 @@ def decode_record(data: bytes | memoryview) -> Record:
 
 
 # Field positions in the raw tuple, for the admission hot path (no dataclass round trip).
-F_NONCE, F_LIMIT, F_REVISION, F_COMMITTED, F_RESERVED, F_PEAK = 0, 5, 6, 7, 8, 9
+F_NONCE, F_FLAGS, F_LIMIT, F_REVISION, F_COMMITTED, F_RESERVED, F_PEAK = 0, 1, 5, 6, 7, 8, 9
 F_ADMISSIONS, F_REFUSALS, F_RELEASES, F_FLOOR = 10, 11, 12, 15
 RawRecord = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, bytes, int]
 

@@ -51,6 +51,10 @@ from elastickv.units import format_bytes
 
 logger = logging.getLogger("elastickv.serve")
 IDLE_CHECK_S = 0.5
+# How often each engine's resident memory is read (a few system calls per engine process).
+RESIDENT_CHECK_S = 2.0
+# How often a wake from sleep is looked at, to time it (the engine clears its record's flag).
+WAKE_POLL_S = 0.02
 
 
 def _engines(count: int) -> str:
@@ -64,6 +68,7 @@ class ServeError(RuntimeError):
 _ACTIVITY = {
     ModelState.IDLE: Activity.IDLE,
     ModelState.KV_RELEASED: Activity.RELEASED,
+    ModelState.ASLEEP: Activity.RELEASED,
 }
 
 
@@ -89,6 +94,8 @@ class ServeApp:
         self._models_lock = asyncio.Lock()  # one model added or removed at a time
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._wake_timers: set[asyncio.Task[None]] = set()
+        self.resident: dict[str, int | None] = {}  # each engine's PSS, read every few seconds
         self._booted = False
         self._closing = False
         self._start_failed: str | None = None  # the model whose first start failed
@@ -260,6 +267,8 @@ class ServeApp:
             release_kv=self._release_kv,
             engine_ready=self._engine_ready,
             woke=lambda name, tier, s: self.metrics.wake.labels(name, tier).observe(s),
+            request_sleep=self._request_sleep,
+            sleep_answer=self._sleep_answer,
         )
 
     def _build_models(self) -> None:
@@ -313,17 +322,30 @@ class ServeApp:
     async def _background(self) -> None:
         assert self.arbiter is not None
         arbiter = None if self.config.static else asyncio.create_task(self.arbiter.run())
+        resident_read = 0.0
         try:
             while True:
                 now = time.monotonic()
                 idle_policy = arbiter is not None and self._booted
                 for model in list(self.models.values()) if idle_policy else []:
                     await model.apply_idle_policy(now)
+                if now - resident_read >= RESIDENT_CHECK_S:
+                    resident_read = now
+                    await self._read_resident()
                 self._publish()  # the bytes and limits, which change without a state change
                 await asyncio.sleep(IDLE_CHECK_S)
         finally:
             if arbiter is not None:
                 arbiter.cancel()
+            for timer in list(self._wake_timers):
+                timer.cancel()
+
+    async def _read_resident(self) -> None:
+        engines = {name: m.engine for name, m in self.models.items()}
+        readings = await asyncio.to_thread(
+            lambda: {n: None if e is None else e.resident_bytes() for n, e in engines.items()}
+        )
+        self.resident = readings
 
     async def shutdown(self) -> None:
         """Stop the router, every engine (SIGTERM, then SIGKILL), the loops; idempotent. The
@@ -542,6 +564,44 @@ class ServeApp:
         assert self.arbiter is not None
         self.arbiter.set_limit(name, max(model.floor_bytes, 1))
 
+    def _request_sleep(self, name: str, wanted: bool) -> None:
+        """Ask ``name``'s engine to put its weights to sleep, or withdraw the request; a
+        withdrawal from an engine that sleeps times its wake (the ``weights`` tier)."""
+        assert self.ledger is not None
+        was_asleep = self._sleep_answer(name) == "asleep"
+        try:
+            self.ledger.request_sleep(name, wanted)
+        except LedgerError as exc:  # the engine is gone meanwhile: nothing to ask
+            logger.warning("%s: cannot change its sleep request: %s", name, exc)
+            return
+        if not wanted and was_asleep:
+            timer = asyncio.get_running_loop().create_task(self._time_wake(name))
+            self._wake_timers.add(timer)
+            timer.add_done_callback(self._wake_timers.discard)
+
+    def _sleep_answer(self, name: str) -> str | None:
+        """The engine's answer in its record, as the arbiter last read it."""
+        info = None if self.arbiter is None else self.arbiter.records.get(name)
+        if info is None:
+            return None
+        return "asleep" if info.asleep else "refused" if info.sleep_refused else None
+
+    async def _time_wake(self, name: str) -> None:
+        """Seconds until the engine's record says it is awake again (its weights reloaded)."""
+        assert self.arbiter is not None
+        began = time.monotonic()
+        while time.monotonic() - began < self.config.wake_timeout_s:
+            try:
+                info = self.arbiter.writer.records().get(name)
+            except LedgerError:
+                return
+            if info is None:  # the engine is gone (stopped, crashed): no wake to time
+                return
+            if not info.asleep:
+                self.metrics.wake.labels(name, "weights").observe(time.monotonic() - began)
+                return
+            await asyncio.sleep(WAKE_POLL_S)
+
     async def _engine_ready(self, name: str) -> None:
         """Right after the engine's first health: what it holds now is its floor."""
         if self.config.static:
@@ -590,6 +650,9 @@ class ServeApp:
                     "priority": m.config.priority,
                     "pinned": m.config.pinned,
                     "restarts": m.restarts,
+                    "resident_bytes": self.resident.get(m.name),
+                    "sleep_after_s": m.config.sleep_after_s,
+                    "sleep_refused": m.sleep_refused,
                     "committed_bytes": used,
                     "limit_bytes": limit,
                     "log": None if self._log_dir is None else str(log_path(self._log_dir, m.name)),
@@ -637,6 +700,7 @@ class ServeApp:
                     restarts=m.restarts,
                     limit_raises=0 if arbiter is None else arbiter.raises[m.name],
                     limit_cuts=0 if arbiter is None else arbiter.cuts[m.name],
+                    resident_bytes=self.resident.get(m.name),
                 )
             )
         return self.config.budget, readings

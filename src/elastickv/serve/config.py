@@ -27,7 +27,8 @@ that names the field, the value and what is accepted.
     priority = 1                  # higher wins when models compete
     pinned = false                # never stopped
     release_after = "30s"         # idle time before its KV is released (tier 1)
-    stop_after = "10m"            # idle time before its engine stops (tier 2), or "never"
+    sleep_after = "2m"            # idle time before its weights sleep (tier 2), or "never"
+    stop_after = "10m"            # idle time before its engine stops (tier 3), or "never"
     env = { VLLM_CPU_OMP_THREADS_BIND = "0" }   # extra environment for its engine
 
     [[model]]                     # one model as a prefill engine + a decode engine (NIXL)
@@ -72,6 +73,10 @@ DEFAULT_WAKE_TIMEOUT_S = 300.0
 DEFAULT_PAGE_SIZE = 2 << 20
 DEFAULT_RELEASE_AFTER_S = 30.0
 DEFAULT_STOP_AFTER_S = 600.0
+DEFAULT_SLEEP_AFTER_S = 120.0
+# ``ModelConfig.sleep_after_s`` meaning "not given": the default where it fits between the
+# model's release_after and stop_after, else never (see ModelConfig.__post_init__).
+SLEEP_AFTER_UNSET = -1.0
 DEFAULT_HOT_MAX_PAGES = 4
 # A model's min_kv when none is given: this much, or its share of the budget if that is less.
 DEFAULT_MIN_KV = 64 << 20
@@ -105,6 +110,7 @@ class ModelConfig:
     pinned: bool = False  # never stopped: stop_after_s is then None
     release_after_s: float | None = DEFAULT_RELEASE_AFTER_S
     stop_after_s: float | None = DEFAULT_STOP_AFTER_S
+    sleep_after_s: float | None = SLEEP_AFTER_UNSET  # None: never (P/D engines: always None)
     python: str | None = None  # the interpreter with vLLM; None: the serve-wide choice
     env: tuple[tuple[str, str], ...] = ()  # extra environment for the engine
     role: str | None = None  # "prefill" or "decode": one engine of a P/D pair
@@ -115,6 +121,19 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.pinned:  # the readers refuse pinned with a stop_after (a contradiction)
             object.__setattr__(self, "stop_after_s", None)
+        if self.sleep_after_s == SLEEP_AFTER_UNSET:
+            object.__setattr__(self, "sleep_after_s", self._default_sleep_after())
+        if self.role is not None:  # a P/D engine's weights stay awake (not supported yet)
+            object.__setattr__(self, "sleep_after_s", None)
+
+    def _default_sleep_after(self) -> float | None:
+        """The default idle time before sleep, where it falls after release_after and before
+        stop_after; else never (a model set to stop sooner stops without sleeping first)."""
+        default = DEFAULT_SLEEP_AFTER_S
+        release, stop = self.release_after_s, self.stop_after_s
+        if (release is not None and release >= default) or (stop is not None and stop <= default):
+            return None
+        return default
 
     @property
     def served_name(self) -> str:
@@ -244,6 +263,7 @@ _MODEL_KEYS = {
     "priority",
     "pinned",
     "release_after",
+    "sleep_after",
     "stop_after",
     "python",
     "env",
@@ -549,6 +569,13 @@ def _model(raw: Any, index: int, where: str | None = None) -> ModelConfig:
         values["pinned"] = raw["pinned"]
     if "release_after" in raw:
         values["release_after_s"] = _duration(raw["release_after"], f"{label} release_after")
+    if "sleep_after" in raw:
+        if "pd" in raw:
+            raise ServeConfigError(
+                f"{label}: sleep_after is not supported for a pd model yet (its two engines "
+                "stay awake until stop_after); remove it"
+            )
+        values["sleep_after_s"] = _duration(raw["sleep_after"], f"{label} sleep_after")
     if "stop_after" in raw:
         values["stop_after_s"] = _duration(raw["stop_after"], f"{label} stop_after")
         if values.get("pinned") and values["stop_after_s"] is not None:
@@ -656,8 +683,30 @@ def check_model(model: ModelConfig, *, page_size: int, static: bool, source: boo
             f'set release_after below {stop:g}s, or release_after = "never" to go straight '
             "to stopping"
         )
+    _check_sleep_after(m)
     if m.python is not None:
         _check_python(m.python, f"model {m.name!r} python")
+
+
+def _check_sleep_after(m: ModelConfig) -> None:
+    """The asleep tier sits between the two others: release_after < sleep_after < stop_after."""
+    sleep = m.sleep_after_s
+    if sleep is None:
+        return
+    if sleep <= 0:
+        raise ServeConfigError(f"model {m.name!r} sleep_after must be positive or never")
+    if m.release_after_s is not None and sleep <= m.release_after_s:
+        raise ServeConfigError(
+            f"model {m.name!r} sleep_after = {sleep:g}s is not longer than its release_after "
+            f"= {m.release_after_s:g}s: a sleeping model's KV is already released; set "
+            f"sleep_after above {m.release_after_s:g}s"
+        )
+    if m.stop_after_s is not None and sleep >= m.stop_after_s:
+        raise ServeConfigError(
+            f"model {m.name!r} sleep_after = {sleep:g}s is not shorter than its stop_after = "
+            f"{m.stop_after_s:g}s: its engine would stop before it sleeps; set sleep_after "
+            f'below {m.stop_after_s:g}s, or sleep_after = "never"'
+        )
 
 
 def _check_listener(config: ServeConfig) -> None:

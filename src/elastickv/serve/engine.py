@@ -307,6 +307,21 @@ class EngineProcess:
         """Every live process of the engine: its session (API server, engine core, workers)."""
         return session_processes(self.pid)
 
+    def resident_bytes(self) -> int | None:
+        """What the engine holds in memory: the PSS of its API server and every process it
+        started (engine core, workers); None once it is gone. A few system calls per process:
+        call it off the event loop."""
+        try:
+            root = psutil.Process(self.pid)
+            tree = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total = 0
+        for proc in tree:
+            with contextlib.suppress(psutil.Error):
+                total += proc.memory_full_info().pss
+        return total
+
     async def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM (vLLM's clean shutdown; SIGCONT too, so that a stopped engine acts on it
         at once), then SIGKILL to whatever of its session is left."""

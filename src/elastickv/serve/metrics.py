@@ -35,9 +35,10 @@ class ModelReading:
     restarts: int
     limit_raises: int
     limit_cuts: int
+    resident_bytes: int | None = None  # the engine's PSS (None: no engine)
 
 
-STATES = ("starting", "serving", "idle", "kv-released", "stopped", "failed")
+STATES = ("starting", "serving", "idle", "kv-released", "asleep", "stopped", "failed")
 
 
 class _Readings(Collector):
@@ -65,6 +66,11 @@ class _Readings(Collector):
             ),
             "waiting": GaugeMetricFamily(
                 "elastickv_serve_waiting", "requests queued while the model wakes", labels=["model"]
+            ),
+            "resident": GaugeMetricFamily(
+                "elastickv_serve_engine_resident_bytes",
+                "memory the model's engine processes hold (PSS; asleep: without its weights)",
+                labels=["model"],
             ),
         }
         state = GaugeMetricFamily(
@@ -94,6 +100,8 @@ class _Readings(Collector):
                 gauges["limit"].add_metric([m.name], m.limit_bytes)
             gauges["in_flight"].add_metric([m.name], m.in_flight)
             gauges["waiting"].add_metric([m.name], m.waiting)
+            if m.resident_bytes is not None:
+                gauges["resident"].add_metric([m.name], m.resident_bytes)
             for s in STATES:
                 state.add_metric([m.name, s], 1.0 if s == m.state else 0.0)
             counters["refusals"].add_metric([m.name], m.refusals)
@@ -127,7 +135,7 @@ class ServeMetrics:
         )  # fmt: skip
         self.wake = Histogram(
             "elastickv_router_wake_seconds",
-            "wake latency: tier kv (limit restored) or engine (process started)",
+            "wake latency: tier kv (limit restored), weights (reloaded) or engine (started)",
             ["model", "tier"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.requests = Counter(

@@ -1,4 +1,4 @@
-"""One served model's life: start, serve, release its KV when idle, stop, wake, restart.
+"""One served model's life: start, serve, release its KV when idle, sleep, stop, wake, restart.
 
 States (what ``/v1/models`` and ``elastickv list`` show):
 
@@ -8,7 +8,12 @@ States (what ``/v1/models`` and ``elastickv list`` show):
 * ``idle`` – running with nothing in flight; after ``release_after`` it becomes
 * ``kv-released`` – tier 1: its limit is at the engine's floor, so the plugin dropped its hot
   reserve and prefix cache; the next request raises the limit again (no restart).
-* ``stopped`` – tier 2 (after ``stop_after``, unless pinned): no engine process; the next
+* ``asleep`` – tier 2 (after ``sleep_after``): the engine process stays up, its model's
+  weights released (asked through its ledger record; it becomes ``asleep`` when the engine
+  answers). The next request is forwarded at once and waits in the engine for the reload. An
+  engine that cannot sleep (a GPU engine) refuses, or does not answer within
+  ``SLEEP_ANSWER_S``: the model stays ``kv-released`` and is not asked again.
+* ``stopped`` – tier 3 (after ``stop_after``, unless pinned): no engine process; the next
   request starts it, one wake at a time, others waiting.
 * ``failed`` – it crashed or failed to start ``MAX_RESTARTS`` times in a row; requests get 503.
 
@@ -35,6 +40,9 @@ logger = logging.getLogger("elastickv.serve")
 MAX_RESTARTS = 5
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 START_TIMEOUT_S = 600.0
+# How long an engine may take to answer a sleep request (it answers on its next idle tick,
+# within a second; an engine without elastickv's sleep never does).
+SLEEP_ANSWER_S = 30.0
 
 
 class ModelState(enum.Enum):
@@ -42,8 +50,13 @@ class ModelState(enum.Enum):
     SERVING = "serving"
     IDLE = "idle"
     KV_RELEASED = "kv-released"
+    ASLEEP = "asleep"
     STOPPED = "stopped"
     FAILED = "failed"
+
+
+# States with a running engine that takes requests at once.
+_READY = (ModelState.SERVING, ModelState.IDLE, ModelState.KV_RELEASED, ModelState.ASLEEP)
 
 
 class Unavailable(Exception):
@@ -68,6 +81,10 @@ class ModelHooks:
     release_kv: Callable[[str], Awaitable[None]]  # lower it to the engine's floor
     engine_ready: Callable[[str], Awaitable[None]]  # the engine is healthy (its floor is read)
     woke: Callable[[str, str, float], None]  # (model, tier, seconds) for metrics
+    # Ask the engine to put its weights to sleep (True) or keep them awake (False).
+    request_sleep: Callable[[str, bool], None]
+    # The engine's answer in its ledger record: "asleep", "refused", or None (none yet).
+    sleep_answer: Callable[[str], str | None]
 
 
 class ServedModel:
@@ -91,6 +108,9 @@ class ServedModel:
         self.last_start_s: float | None = None
         self.last_error: str | None = None
         self.floor_bytes = 0
+        # Sleep: when it was asked of the engine (None: not asked), and why the engine cannot.
+        self.sleep_asked_at: float | None = None
+        self.sleep_refused: str | None = None
         self.stopped_on_exit: list[int] = []  # engines stopped because serve is stopping
         self._ready = asyncio.Event()
         self._lifecycle = asyncio.Lock()
@@ -113,7 +133,7 @@ class ServedModel:
     def _set(self, state: ModelState) -> None:
         if state is not self.state:
             before, self.state = self.state, state
-            if state in (ModelState.SERVING, ModelState.IDLE, ModelState.KV_RELEASED):
+            if state in _READY:
                 self._ready.set()
             else:
                 self._ready.clear()
@@ -130,6 +150,7 @@ class ServedModel:
             return await self._start()
 
     async def _start(self) -> float:
+        self.sleep_asked_at = None  # a new engine: awake, and asked nothing yet
         self._set(ModelState.STARTING)
         launch = self.hooks.launch(self.config)
         logger.info("%s: starting its engine on port %d (log %s)", self.name, launch.port,
@@ -248,7 +269,12 @@ class ServedModel:
             raise Unavailable(
                 503, f"model {self.name!r} failed and is not being restarted: {self.last_error}"
             )
-        if self.state is ModelState.KV_RELEASED:
+        if self.sleep_asked_at is not None:
+            # Withdrawn before the request is forwarded: the engine does not fall asleep
+            # again, and one that sleeps wakes on the request's step.
+            self.sleep_asked_at = None
+            self.hooks.request_sleep(self.name, False)
+        if self.state in (ModelState.KV_RELEASED, ModelState.ASLEEP):
             began = time.monotonic()
             await self.hooks.restore_kv(self.name)
             self.hooks.woke(self.name, "kv", time.monotonic() - began)
@@ -306,19 +332,37 @@ class ServedModel:
     # -- idle policy --------------------------------------------------------------------------
 
     async def apply_idle_policy(self, now: float) -> None:
-        """Tier 1 after ``release_after`` idle, tier 2 after ``stop_after`` (unless pinned)."""
+        """Tier 1 after ``release_after`` idle, tier 2 after ``sleep_after``, tier 3 after
+        ``stop_after`` (unless pinned)."""
         if self.in_flight or self.waiting or self._lifecycle.locked():
             return
         idle_for = now - self.last_active
         stop_after = self.config.stop_after_s
         if (
-            self.state in (ModelState.IDLE, ModelState.KV_RELEASED)
+            self.state in (ModelState.IDLE, ModelState.KV_RELEASED, ModelState.ASLEEP)
             and not self.config.pinned
             and stop_after is not None
             and idle_for >= stop_after
         ):
             logger.info("%s: idle for %.0f s: stopping its engine", self.name, idle_for)
             await self.stop()
+            return
+        if self.sleep_asked_at is not None:
+            self._read_sleep_answer(now)
+            return
+        sleep_after = self.config.sleep_after_s
+        if (
+            self.state in (ModelState.IDLE, ModelState.KV_RELEASED)
+            and sleep_after is not None
+            and self.sleep_refused is None
+            and idle_for >= sleep_after
+        ):
+            if self.state is ModelState.IDLE:
+                await self.hooks.release_kv(self.name)
+                self._set(ModelState.KV_RELEASED)
+            logger.info("%s: idle for %.0f s: putting its weights to sleep", self.name, idle_for)
+            self.sleep_asked_at = now
+            self.hooks.request_sleep(self.name, True)
             return
         release_after = self.config.release_after_s
         if (
@@ -329,3 +373,28 @@ class ServedModel:
             logger.info("%s: idle for %.0f s: releasing its KV memory", self.name, idle_for)
             await self.hooks.release_kv(self.name)  # lowered before the state says it is
             self._set(ModelState.KV_RELEASED)
+
+    def _read_sleep_answer(self, now: float) -> None:
+        """The engine's answer to the sleep asked at ``sleep_asked_at``."""
+        assert self.sleep_asked_at is not None
+        answer = self.hooks.sleep_answer(self.name)
+        if answer == "asleep":
+            if self.state is ModelState.KV_RELEASED:
+                self._set(ModelState.ASLEEP)
+            return
+        if self.state is ModelState.ASLEEP and answer is None:
+            return  # a step reached it another way: awake for that step, asleep again after
+        waited = now - self.sleep_asked_at
+        if answer is None and waited < SLEEP_ANSWER_S:
+            return
+        why = (
+            "its engine cannot release its weights (see the engine's log)"
+            if answer == "refused"
+            else f"its engine did not answer within {waited:.0f} s"
+        )
+        self.sleep_refused = why
+        self.sleep_asked_at = None
+        self.hooks.request_sleep(self.name, False)
+        logger.warning(
+            "%s: cannot sleep: %s; it stays kv-released until stop_after", self.name, why
+        )

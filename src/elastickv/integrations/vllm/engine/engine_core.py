@@ -18,7 +18,8 @@ millisecond, and their readers would spin.
 ``EngineCoreProc.run_busy_loop`` (the engine core as its own process) gets two guards: a
 limit lowered while the engine idles is applied from the engine's own thread, and its pages
 released in the workers (:mod:`.idle_ticks`), and the engine core stops when its parent dies
-(:mod:`.watchdog`).
+(:mod:`.watchdog`). Its idle ticks also answer a sleep request in its ledger record
+(:mod:`.sleep_requests`); a step with requests wakes a sleeping engine first.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.engine.idle_ticks import tick_while_idle
 from elastickv.integrations.vllm.engine.registration import describe_engine
+from elastickv.integrations.vllm.engine.sleep_requests import SleepRequests
 from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
@@ -108,6 +110,9 @@ def connect(config: ElasticConfig, replies: list[Any], policy_factory: PolicyFac
     )
 
 
+# The engine core's attribute holding its :class:`SleepRequests` (absent: no idle ticks).
+_SLEEP_REQUESTS = "_elastickv_sleep_requests"
+
 # How long the engine core sleeps per loop while it waits for memory (new requests are read
 # between two sleeps; the ledger is asked for credit every CREDIT_RETRY_S).
 MEMORY_WAIT_POLL_S = 0.005
@@ -135,6 +140,9 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
     def step_wrapper(original: Callable[..., Any], *, may_wait: bool) -> Callable[..., Any]:
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            sleep = getattr(self, _SLEEP_REQUESTS, None)
+            if sleep is not None and sleep.asleep and self.scheduler.has_unfinished_requests():
+                sleep.before_step()
             pool = _grants_pool(self)
             if may_wait and pool is not None and pool.waits_for_memory(self.scheduler):
                 # The step would schedule nothing again: skip it, and its round trip to
@@ -194,9 +202,15 @@ def guard_process(engine_core: Any) -> None:
     if pool is None:
         return
 
+    registration = pool.registration
+    sleep = None if registration is None else SleepRequests(engine_core, registration.handle)
+    setattr(engine_core, _SLEEP_REQUESTS, sleep)
+
     def idle() -> None:
         pool.idle_tick()
         flush_page_ops(engine_core, pool)
+        if sleep is not None:  # after the KV went back to the limit: the weights
+            sleep.on_idle()
 
     if not tick_while_idle(getattr(engine_core, "input_queue", None), idle):
         logger.warning(

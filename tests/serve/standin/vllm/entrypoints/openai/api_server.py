@@ -7,6 +7,9 @@ vLLM engine does.
   limit and holds one page from start to end (the null block: its floor).
 - A completion commits two more pages and keeps them (a prefix cache); a prompt ``"hold"``
   is answered once the file ``$STANDIN_GATE`` exists.
+- It answers a sleep request in its ledger record within 0.1 s, as an elastic engine's idle
+  ticks do: asleep, awake again once the request is withdrawn or a completion arrives; with
+  ``STANDIN_NO_SLEEP`` set it refuses, as an engine that cannot release its weights.
 - Like vLLM, it leaves a ``vllm_dist_*`` file in the temporary directory on every start.
 - SIGTERM: it unregisters and exits 0.
 - With ``STANDIN_EXIT`` set it fails at once (exit status 3), as an engine that cannot start.
@@ -53,6 +56,8 @@ def main() -> None:
         assert handle.try_admit(page)
         handle.set_floor_bytes(page)
     lock = threading.Lock()
+    if handle is not None:
+        threading.Thread(target=answer_sleep, args=(handle, lock), daemon=True).start()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *log_args: Any) -> None:
@@ -77,6 +82,7 @@ def main() -> None:
             if handle is not None:
                 with lock:
                     handle.try_admit(2 * page)
+                    handle.set_sleep_state(asleep=False)  # a step wakes a sleeping engine
             gate = os.environ.get("STANDIN_GATE")
             while request.get("prompt") == "hold" and gate and not os.path.exists(gate):
                 time.sleep(0.05)
@@ -91,9 +97,24 @@ def main() -> None:
     print(f"stand-in for {args.model} on port {args.port}", file=sys.stderr, flush=True)
     server.serve_forever()
     if handle is not None:
-        handle.close()
+        with lock:
+            handle.close()
     if ledger is not None:
         ledger.close()
+
+
+def answer_sleep(handle: InstanceHandle, lock: threading.Lock) -> None:
+    refuse = bool(os.environ.get("STANDIN_NO_SLEEP"))
+    while not handle.closed:
+        with lock:
+            if handle.closed:
+                return
+            info = handle.info()
+            if info.sleep_wanted and not info.asleep and not info.sleep_refused:
+                handle.set_sleep_state(asleep=not refuse, refused=refuse)
+            elif not info.sleep_wanted and info.asleep:
+                handle.set_sleep_state(asleep=False)
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

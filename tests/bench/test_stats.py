@@ -1,4 +1,5 @@
-"""The median and bootstrap interval bench_serve reports for a ratio over repeated runs."""
+"""The benchmarks' statistics: the median of repeated runs with its interval, and the
+requests that follow an idle gap."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from elastickv.bench.stats import median_interval
+from elastickv.bench.stats import after_idle, median_interval
 
 RUNS = st.lists(st.floats(0.01, 100.0, allow_nan=False), min_size=1, max_size=12)
 
@@ -69,3 +70,25 @@ def test_repeated_runs_are_judged_on_their_medians() -> None:
     assert missing["ratios"]["ramp"]["all"]["ratio_ttft_p99"]["n"] == 1  # the run without one
     with pytest.raises(ValueError, match="no runs"):
         over_runs([], 2.0, 1.25)
+
+
+@given(
+    st.lists(st.tuples(st.sampled_from("ab"), st.floats(0, 1000, allow_nan=False)), max_size=30),
+    st.floats(0.5, 200),
+)
+def test_after_idle_finds_each_request_its_model_idled_before(
+    sends: list[tuple[str, float]], idle: float
+) -> None:
+    """Exactly the requests sent at least ``idle`` after their model's previous one."""
+    from elastickv.bench.client import Result
+
+    results = [Result(m, t, 0.1, 0.2, 1, 1, 200) for m, t in sends]
+    found = after_idle(results, idle)
+    for r in results:
+        earlier = [o.sent_at for o in results if o.model == r.model and o.sent_at < r.sent_at]
+        same = [o for o in results if o.model == r.model and o.sent_at == r.sent_at]
+        if len(same) > 1:
+            continue  # ties: the order among them decides; both are covered below
+        expected = bool(earlier) and r.sent_at - max(earlier) >= idle
+        assert (r in found) == expected, (r, earlier)
+    assert len(found) <= len(results) - len({m for m, _ in sends})
