@@ -119,6 +119,10 @@ IDLE_GAP_S = 100
 # stopped); shorter than the idle workload's gaps, longer than two ramp gaps at P = 12.
 SLEEP_AFTER_S = 30
 TIERS = ("stop", "asleep")
+TIER_MEANING = {
+    "stop": f"its engine stopped (after {STOP_AFTER_S} s idle)",
+    "asleep": f"its weights asleep (after {SLEEP_AFTER_S} s idle; its engine never stopped)",
+}
 TARGET_P99, TARGET_MEAN = 2.0, 1.25
 # The static arm is memory-bound if it preempted, was seen with waiting requests, or its
 # requests waited in vLLM's queue this long on average (a tiny model's step takes a few ms:
@@ -688,6 +692,8 @@ def print_table(doc: dict[str, Any]) -> None:
     print(
         f"start-up: static {doc['startup_s']['static']} s, elastic {doc['startup_s']['elastic']} s"
     )
+    if "tier" in doc:
+        print(f"an idle elastic model comes to: {TIER_MEANING[doc['tier']]}")
     for name, w in doc["workloads"].items():
         regime = (
             "memory-bound in the static arm"
@@ -745,8 +751,8 @@ def print_after_idle(workload: dict[str, Any]) -> None:
     resident = {arm: sum(v.values()) for arm, v in workload["resident_gib_s"].items()}
     print(
         f"   first request after an idle gap ({e['requests']}): TTFT mean "
-        f"{_fmt(s['ttft_mean'])}/{_fmt(e['ttft_mean'])} s, max p99 "
-        f"{_fmt(s['ttft_p99'])}/{_fmt(e['ttft_p99'])} s (static/elastic)"
+        f"{_fmt(s['ttft_mean'])}/{_fmt(e['ttft_mean'])}, p99 "
+        f"{_fmt(s['ttft_p99'])}/{_fmt(e['ttft_p99'])} (static/elastic)"
     )
     print(
         f"   engines' resident memory (PSS) {resident['static']:.1f}/{resident['elastic']:.1f} "

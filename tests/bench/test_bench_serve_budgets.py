@@ -154,3 +154,10 @@ def test_the_committed_results_print_as_docs_benchmarks_quotes_them(
     assert "most models meeting the target: 5 (one more misses the target)" in out
     assert "models elastic / static: 2.50" in out
     assert "B_static / B_elastic = 2.11" in out
+    for tier in ("asleep", "stop"):
+        bench.print_table(json.loads((results / f"bench-serve-idle-{tier}.json").read_text()))
+    asleep, stop = capsys.readouterr().out.split("KV budget B")[1:]
+    assert "first request after an idle gap (3): TTFT mean 106ms/73ms, p99 168ms/84ms" in asleep
+    assert "its weights asleep (after 30 s idle" in asleep
+    assert "first request after an idle gap (3): TTFT mean 95ms/21.86s" in stop
+    assert "0.805/0.168" in asleep and "0.803/0.158" in stop  # KV GiB·s, all models

@@ -29,11 +29,12 @@ def config(
     pp: int = 1,
     backend: Backend | None = None,
     sleep: bool = False,
+    sleep_backend: str = "cumem",
     kv_bytes: int | None = None,
 ) -> SimpleNamespace:
     return SimpleNamespace(
         device_config=SimpleNamespace(device_type=device),
-        model_config=SimpleNamespace(enable_sleep_mode=sleep),
+        model_config=SimpleNamespace(enable_sleep_mode=sleep, sleep_mode_backend=sleep_backend),
         cache_config=SimpleNamespace(cache_dtype=cache_dtype, kv_cache_memory_bytes=kv_bytes),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
         attention_config=SimpleNamespace(backend=backend),
@@ -52,6 +53,8 @@ def config(
         (config(device="cuda", backend=Backend.FLASHMLA), "cuda"),
         (config(device="cuda", cache_dtype="fp8"), "cuda"),
         (config(device="cuda", cache_dtype="fp8_e5m2"), "cuda"),
+        # vLLM's sleep mode: its pool holds the weights, never the elastic KV cache.
+        (config(device="cuda", sleep=True), "cuda"),
     ],
 )
 def test_supported_configs_pass(ok: SimpleNamespace, platform: str) -> None:
@@ -71,7 +74,12 @@ def test_supported_configs_pass(ok: SimpleNamespace, platform: str) -> None:
         (config(device="cuda", cache_dtype="nvfp4"), "cuda", "--kv-cache-dtype nvfp4 (a quan"),
         (config(device="rocm"), "rocm", "the rocm platform: elastickv places the KV cache on"),
         (config(device="xpu"), "xpu", "the xpu platform: elastickv places the KV cache on"),
-        (config(device="cuda", sleep=True), "cuda", "--enable-sleep-mode: vLLM's sleep mode"),
+        (config(sleep=True), "cpu", "--enable-sleep-mode on the cpu platform: vLLM's sleep mode"),
+        (
+            config(device="cuda", sleep=True, sleep_backend="criu"),
+            "cuda",
+            "sleep_mode_backend = 'criu': elastickv keeps its KV cache mapped",
+        ),
     ],
 )
 def test_each_unsupported_option_is_named(

@@ -22,9 +22,18 @@ class EngineCore:
         self.ranks = ranks
         self.sleep_fails = sleep_fails
         self.calls: list[str] = []
+        self.levels: list[int] = []
 
-    def collective_rpc(self, method: str) -> list[dict[str, Any]]:
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
+
+    def collective_rpc(
+        self, method: str, kwargs: dict[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
         self.calls.append(method)
+        if method == SLEEP_METHOD:
+            self.levels.append((kwargs or {})["level"])
         if method == SLEEP_METHOD and self.sleep_fails:
             raise RuntimeError("elastickv's weight sleep releases CPU memory only")
         return [{"released_bytes": 100}] * self.ranks
@@ -97,7 +106,7 @@ def test_a_failed_wake_stops_the_step(ledger: Ledger, handle: InstanceHandle) ->
     ledger.request_sleep("engine")
     sleep.on_idle()
 
-    def broken(method: str) -> list[dict[str, Any]]:
+    def broken(method: str, kwargs: dict[str, Any] | None = None) -> list[dict[str, Any]]:
         raise RuntimeError(f"{method}: the checkpoint is gone")
 
     core.collective_rpc = broken  # type: ignore[method-assign]
@@ -113,3 +122,20 @@ def test_a_closed_record_is_left_alone(ledger: Ledger, handle: InstanceHandle) -
     handle.close()
     sleep.on_idle()
     assert core.calls == []
+
+
+def test_the_level_reaches_every_rank_and_level_2_resets_the_prefix_cache_first(
+    ledger: Ledger, handle: InstanceHandle
+) -> None:
+    """Level 2 reloads the weights from the checkpoint: the cached blocks are dropped (and
+    their pages handed back) before; level 1 brings back the very bytes and keeps them."""
+    flushed: list[str] = []
+    for level, before in ((1, []), (2, ["reset_prefix_cache"])):
+        core = EngineCore()
+        sleep = SleepRequests(core, handle, level, flush=lambda: flushed.append("flush"))
+        ledger.request_sleep("engine")
+        sleep.on_idle()
+        assert core.calls == [*before, SLEEP_METHOD] and core.levels == [level]
+        ledger.request_sleep("engine", False)
+        sleep.on_idle()
+    assert flushed == ["flush"]

@@ -65,6 +65,11 @@ SETTINGS: dict[str, tuple[str, str]] = {
         "P/D: NIXL's progress thread waits for events, at most this many ms, instead of "
         "spinning on a core; 0: NIXL's spin (default 5 on vLLM's CPU backend, else 0)",
     ),
+    "sleep_level": (
+        "ELASTICKV_SLEEP_LEVEL",
+        "on a GPU, the vLLM sleep level an asleep engine's weights get: 1, offloaded to host "
+        "memory (default), or 2, discarded and reloaded from the checkpoint on wake",
+    ),
 }
 # Read by the plugin whether or not ``ELASTICKV=1`` (a native engine's scheduler can be clocked
 # too); not an engine setting (see ``scheduler_clock``).
@@ -117,6 +122,7 @@ class ElasticConfig:
     budget_percent: float | None = None
     kv_read_hold_s: float = DEFAULT_HOLD_S
     nixl_progress_wait_ms: int | None = None  # None: the platform's default
+    sleep_level: int = 1
     # What the user typed, by setting name, so errors echo it (not part of equality).
     typed: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -162,6 +168,11 @@ class ElasticConfig:
                 f"{self.shown('nixl_progress_wait_ms', str(wait_ms))} must be a "
                 f"whole number of milliseconds from 0 to {MAX_WAIT_MS}, e.g. 5 (0: NIXL's "
                 "own spinning progress thread)"
+            )
+        if self.sleep_level not in (1, 2):
+            raise ElasticKVStartupError(
+                f"{self.shown('sleep_level', str(self.sleep_level))} must be 1 (weights "
+                "offloaded to host memory) or 2 (discarded, reloaded on wake)"
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ElasticKVStartupError(
@@ -274,6 +285,7 @@ class ElasticConfig:
             metrics_port=None if get("metrics_port") is None else count("metrics_port", 0),
             kv_read_hold_s=seconds("kv_read_hold_s", DEFAULT_HOLD_S),
             nixl_progress_wait_ms=None if wait_text is None else count("nixl_progress_wait_ms", 0),
+            sleep_level=count("sleep_level", 1),
             typed=typed,
         )
 

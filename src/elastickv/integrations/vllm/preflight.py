@@ -70,12 +70,7 @@ def problems(vllm_config: Any, platform: str = "cpu") -> list[str]:
         )
     model = getattr(vllm_config, "model_config", None)
     if getattr(model, "enable_sleep_mode", False):
-        found.append(
-            "--enable-sleep-mode: vLLM's sleep mode discards and re-creates the KV cache "
-            "through its own memory pool, and elastickv owns the KV cache's memory; release "
-            "an idle engine's KV memory with its ledger limit (`elastickv limit`, or "
-            "`elastickv serve`'s idle tiers) instead"
-        )
+        found.extend(_sleep_mode_problems(model, platform))
     cache_dtype = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto"))
     dtypes = SUPPORTED_KV_CACHE_DTYPES.get(platform, SUPPORTED_KV_CACHE_DTYPES["cpu"])
     if cache_dtype not in dtypes:
@@ -101,6 +96,25 @@ def problems(vllm_config: Any, platform: str = "cpu") -> list[str]:
             f"{', '.join(supported)} on this platform (or leave it unset)"
         )
     return found
+
+
+def _sleep_mode_problems(model_config: Any, platform: str) -> list[str]:
+    """``--enable-sleep-mode`` is vLLM's on CUDA: its memory pool holds the weights (the KV
+    cache stays on elastic storage, outside it). Another sleep-mode backend could snapshot or
+    tear down the device's mappings, elastickv's among them: not accepted."""
+    if platform != "cuda":
+        return [
+            f"--enable-sleep-mode on the {platform} platform: vLLM's sleep mode needs CUDA; "
+            "on the CPU an elastic engine's weights sleep without it (`elastickv serve`'s "
+            "asleep tier)"
+        ]
+    backend = str(getattr(model_config, "sleep_mode_backend", "cumem") or "cumem")
+    if backend != "cumem":
+        return [
+            f"sleep_mode_backend = {backend!r}: elastickv keeps its KV cache mapped through "
+            "vLLM's sleep and supports the cumem backend only (vLLM's default)"
+        ]
+    return []
 
 
 def check(vllm_config: Any, platform: str = "cpu") -> None:

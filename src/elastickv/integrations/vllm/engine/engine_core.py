@@ -176,7 +176,7 @@ def install(config: ElasticConfig, policy_factory: PolicyFactory) -> None:
 
     def loop_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def run_busy_loop(self: Any) -> Any:
-            guard_process(self)
+            guard_process(self, config.sleep_level)
             return original(self)
 
         return run_busy_loop
@@ -192,7 +192,7 @@ def _grants_pool(engine_core: Any) -> ElasticBlockPool | None:
     return pool if isinstance(pool, ElasticBlockPool) else None
 
 
-def guard_process(engine_core: Any) -> None:
+def guard_process(engine_core: Any, sleep_level: int = 1) -> None:
     """Before the engine core's loop: the parent watchdog (when vLLM started this process as
     a child) and idle ticks that apply the live limit (when the scheduler is elastic)."""
     parent = multiprocessing.parent_process()
@@ -203,7 +203,11 @@ def guard_process(engine_core: Any) -> None:
         return
 
     registration = pool.registration
-    sleep = None if registration is None else SleepRequests(engine_core, registration.handle)
+    sleep = None
+    if registration is not None:
+        sleep = SleepRequests(
+            engine_core, registration.handle, sleep_level, lambda: flush_page_ops(engine_core, pool)
+        )
     setattr(engine_core, _SLEEP_REQUESTS, sleep)
 
     def idle() -> None:

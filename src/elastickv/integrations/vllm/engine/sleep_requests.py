@@ -8,9 +8,11 @@ core looks at the record on its idle ticks (:mod:`.idle_ticks`: its own thread, 
 flight) and answers there:
 
 * wanted and awake: every worker rank releases its weights (``elastickv_sleep_weights``, see
-  :mod:`elastickv.integrations.vllm.worker.weights_sleep`); the record then says *asleep*. A
-  rank that cannot (a GPU model: vLLM's own sleep mode is for it) makes the record say
-  *refused*, and every rank is woken again, so no rank is left without weights.
+  :mod:`elastickv.integrations.vllm.worker.weights_sleep`: on the CPU elastickv's own, on a
+  GPU vLLM's sleep mode at ``ELASTICKV_SLEEP_LEVEL``); the record then says *asleep*. A rank
+  that cannot (a GPU engine started without ``--enable-sleep-mode``) makes the record say
+  *refused*, and every rank is woken again, so no rank is left without weights. Before a
+  level-2 sleep (weights reloaded from the checkpoint on wake) the prefix cache is reset.
 * not wanted and asleep (the request was withdrawn): every rank reloads its weights.
 
 A step with requests wakes every rank first, whatever the record says (:meth:`before_step`):
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from elastickv.control import InstanceHandle
@@ -34,9 +37,17 @@ logger = logging.getLogger(__name__)
 class SleepRequests:
     """Answers the sleep requests in one engine's ledger record (engine core thread only)."""
 
-    def __init__(self, engine_core: Any, handle: InstanceHandle) -> None:
+    def __init__(
+        self,
+        engine_core: Any,
+        handle: InstanceHandle,
+        level: int = 1,
+        flush: Callable[[], None] | None = None,
+    ) -> None:
         self.engine_core = engine_core
         self.handle = handle
+        self.level = level
+        self.flush = flush  # hands freed pages to the workers (after a prefix-cache reset)
         self.asleep = False
         self.refused = False  # answered "cannot" to the request in force: not asked again
         self.sleeps = 0
@@ -66,8 +77,14 @@ class SleepRequests:
 
     def sleep(self) -> None:
         began = time.perf_counter()
+        if self.level == 2:  # the reload may not give back the very bytes the cache was made of
+            self.engine_core.reset_prefix_cache()
+            if self.flush is not None:
+                self.flush()
         try:
-            replies = list(self.engine_core.collective_rpc(SLEEP_METHOD))
+            replies = list(
+                self.engine_core.collective_rpc(SLEEP_METHOD, kwargs={"level": self.level})
+            )
         except Exception as exc:
             logger.warning(
                 "elastickv: this engine cannot put its weights to sleep (%s); it stays awake "

@@ -23,7 +23,8 @@ runner's ``execute_model`` hook), so a request that arrives while the engine sle
 the reload and is answered; a sleeping model is never run.
 
 Two worker RPCs for ``collective_rpc`` (plain names and plain values, so nothing pickled
-travels): :data:`SLEEP_METHOD` and :data:`WAKE_METHOD`.
+travels): :data:`SLEEP_METHOD` and :data:`WAKE_METHOD`. On a GPU worker they drive vLLM's own
+sleep mode instead, at the level asked (:mod:`.vllm_sleep`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from elastickv.integrations.vllm.worker import vllm_sleep
 
 logger = logging.getLogger(__name__)
 
@@ -202,9 +205,13 @@ def wake(runner: Any) -> dict[str, Any]:
     splits the time: ``reload_s`` (storage, reading and copying the checkpoint) and
     ``restore_s`` (the CPU backend's repacking of the linear layers); ``cpu_s`` is the
     process's CPU time for it (all threads), which a machine's other load does not inflate."""
-    emptied: list[_Emptied] | None = getattr(runner, _SLEPT, None)
+    emptied: list[_Emptied] | vllm_sleep.GpuSleep | None = getattr(runner, _SLEPT, None)
     if emptied is None:
         return {"woken": False, "pss": process_pss()}
+    if isinstance(emptied, vllm_sleep.GpuSleep):
+        reply = vllm_sleep.wake(emptied)
+        delattr(runner, _SLEPT)
+        return reply
     from vllm.config import set_current_vllm_config
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -239,13 +246,27 @@ def wake_if_asleep(runner: Any) -> None:
         wake(runner)
 
 
+def _on_cpu() -> bool:
+    """vLLM's CPU platform (weights in host memory, no sleep mode of vLLM's own)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
+
+
 def install(worker_cls: type) -> None:
     """Add the sleep and wake RPCs to ``worker_cls`` (vLLM's GPU worker, which the CPU worker
     inherits); each acts on the worker's own model runner."""
 
-    def sleep_weights(self: Any) -> dict[str, Any]:
-        """RPC: release this worker's model weights (the process stays up)."""
-        return sleep(self.model_runner)
+    def sleep_weights(self: Any, level: int = 1) -> dict[str, Any]:
+        """RPC: release this worker's model weights (the process stays up). On the CPU they
+        are emptied and reloaded from the checkpoint on wake (``level`` does not apply); on
+        a GPU, vLLM's sleep mode at ``level``."""
+        runner = self.model_runner
+        if _on_cpu():
+            return sleep(runner)
+        if getattr(runner, _SLEPT, None) is not None:  # a second level-2 sleep would fault
+            return {"asleep": True, "released_bytes": 0}
+        return vllm_sleep.sleep(self, level, lambda slept: setattr(runner, _SLEPT, slept))
 
     def wake_weights(self: Any) -> dict[str, Any]:
         """RPC: reload this worker's model weights from the checkpoint."""

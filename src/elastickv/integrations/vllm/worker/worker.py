@@ -14,7 +14,8 @@ from, so the CPU engines these tests run drive the same hooks a GPU engine does:
   worker's start-up check of free memory lets an elastic engine start beside others;
 * two RPCs for the engine core: the export (where the cache is, its geometry) and the page
   operations of an engine going idle; two more that release and reload the model's weights
-  while the process stays up (:mod:`.weights_sleep`).
+  while the process stays up (:mod:`.weights_sleep`; on a GPU through vLLM's sleep mode,
+  whose ``kv_cache`` memory pool the KV cache never enters: :mod:`.vllm_sleep`).
 
 The placement itself (:func:`place`, :class:`BackingMode`, :class:`LayerBackingMode`,
 :func:`verify_views`) answers vLLM's ``torch.zeros`` with a tensor over the worker's own
@@ -38,7 +39,7 @@ from elastickv.integrations.vllm.config import ElasticConfig
 from elastickv.integrations.vllm.errors import ElasticKVStartupError
 from elastickv.integrations.vllm.hooks import wrap_method
 from elastickv.integrations.vllm.kv_export import APPLY_METHOD, EXPORT_METHOD, PAGE_OPS_ATTR
-from elastickv.integrations.vllm.worker import weights_sleep
+from elastickv.integrations.vllm.worker import vllm_sleep, weights_sleep
 from elastickv.integrations.vllm.worker.capacity import advertised_capacity
 from elastickv.integrations.vllm.worker.commit_check import CommitCheck
 from elastickv.integrations.vllm.worker.worker_kv import (
@@ -142,17 +143,16 @@ def place(
 def persistent_init_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """A runner's ``initialize_kv_cache``: the call that is not profiling places the KV cache
     on elastic storage (the mark, and the runner for a V2 allocation function); a KV cache
-    allocation context vLLM passes (its sleep mode's memory pool, a connector's) cannot be
-    honoured and is refused."""
+    allocation context vLLM passes (a KV connector's memory pool; sleep mode's is kept out by
+    :func:`.vllm_sleep.pool_context_wrapper`) cannot be honoured and is refused."""
 
     def initialize_kv_cache(self: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         profiling = bool(kwargs.get("is_profiling", args[0] if args else False))
         context = kwargs.get("kv_cache_allocation_context", args[1] if len(args) > 1 else None)
         if not profiling and context is not None and type(context).__name__ != "nullcontext":
             raise ElasticKVStartupError(
-                f"vLLM asked to allocate the KV cache inside {type(context).__name__} (sleep "
-                "mode's memory pool, or a KV connector's); elastickv cannot place the cache "
-                "there"
+                f"vLLM asked to allocate the KV cache inside {type(context).__name__} (a KV "
+                "connector's memory pool); elastickv cannot place the cache there"
             )
         setattr(self, PERSISTENT_MARK, not profiling)
         token = INITIALISING.set(self if not profiling else None)
@@ -194,6 +194,17 @@ def execute_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             kv.follower.step_queued()
 
     return execute_model
+
+
+def dummy_batch_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """A worker's ``execute_dummy_batch`` (a data-parallel rank with nothing to run steps with
+    the others): a forward too, so a sleeping runner is woken first."""
+
+    def execute_dummy_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        weights_sleep.wake_if_asleep(self.model_runner)
+        return original(self, *args, **kwargs)
+
+    return execute_dummy_batch
 
 
 def sample_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -273,6 +284,13 @@ def install_runner_hooks(
         if not hasattr(worker, name):
             setattr(worker, name, method)
     weights_sleep.install(worker)
+    wrap_method(worker, "_maybe_get_memory_pool_context", vllm_sleep.pool_context_wrapper)
+    if hasattr(worker, "execute_dummy_batch"):  # data parallelism's idle steps
+        wrap_method(worker, "execute_dummy_batch", dummy_batch_wrapper)
+    if hasattr(gpu_model_runner.GPUModelRunner, "post_kv_cache_wake_up"):
+        wrap_method(
+            gpu_model_runner.GPUModelRunner, "post_kv_cache_wake_up", vllm_sleep.post_wake_wrapper
+        )
     wrap_method(CPUWorker, "determine_available_memory", cpu_memory_wrapper)
     wrap_method(worker, "determine_available_memory", gpu_memory_wrapper)
     if hasattr(gpu_worker, "request_memory"):
