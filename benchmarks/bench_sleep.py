@@ -11,12 +11,15 @@ sends a request to the sleeping engine without waking it: the step wakes it firs
 request is answered.
 
 ``--native`` first runs the same prompts on a native engine (no elastickv) in a child process
-and checks the reference against it. ``--mp``: the engine in vLLM's multiprocess mode (the RPCs
-then cross processes); default in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``--compile``:
-vLLM's torch.compile instead of eager mode.
+and checks the reference against it. ``--gpu [--level 1|2]``: on a host with an NVIDIA GPU
+and vLLM's CUDA build, the engine runs there with ``--enable-sleep-mode`` and the RPCs drive
+vLLM's own sleep at that level; the memory measured is the GPU's (used bytes, from CUDA), and
+the fall must be at least 90 % of the weights. ``--mp``: the engine in vLLM's multiprocess
+mode (the RPCs then cross processes); default in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+``--compile``: vLLM's torch.compile instead of eager mode.
 
     .venvs/vllm-0.32/bin/python benchmarks/bench_sleep.py [--cycles 3] [--native] [--mp]
-        [--compile] [--json]
+        [--compile] [--gpu [--level 1|2]] [--json]
 """
 
 from __future__ import annotations
@@ -54,7 +57,15 @@ def tree_pss() -> int:
     return total
 
 
-def start_engine(model: str, compile_model: bool = False) -> Any:
+def gpu_used() -> int:
+    """Bytes in use on the GPU (all processes: the engine's weights among them)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def start_engine(model: str, compile_model: bool = False, gpu: bool = False) -> Any:
     from vllm import LLM
 
     return LLM(
@@ -64,6 +75,7 @@ def start_engine(model: str, compile_model: bool = False) -> Any:
         max_model_len=256,
         kv_cache_memory_bytes=32 << 20,
         seed=0,
+        **({"enable_sleep_mode": True} if gpu else {}),
     )
 
 
@@ -106,8 +118,19 @@ def main() -> None:
     parser.add_argument("--native", action="store_true", help="check against a native engine")
     parser.add_argument("--mp", action="store_true", help="vLLM's multiprocess mode")
     parser.add_argument("--compile", action="store_true", help="torch.compile (not eager)")
+    parser.add_argument(
+        "--gpu", action="store_true", help="on an NVIDIA GPU, through vLLM's sleep mode"
+    )
+    parser.add_argument("--level", type=int, choices=(1, 2), default=1, help="with --gpu")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.gpu:
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--gpu needs an NVIDIA GPU and vLLM's CUDA build; none is visible here")
+    elif args.level != 1:
+        parser.error("--level applies to --gpu (on the CPU the weights are always reloaded)")
 
     from elastickv.models import LLAMA_100M, ensure_tiny_model
 
@@ -128,24 +151,30 @@ def main() -> None:
         os.environ["ELASTICKV_LEDGER_DIR"] = ledger
     from elastickv.integrations.vllm.worker.weights_sleep import SLEEP_METHOD, WAKE_METHOD
 
-    llm = start_engine(model, args.compile)
+    llm = start_engine(model, args.compile, args.gpu)
     reference = generate(llm, PROMPTS, MAX_TOKENS)
-    awake = tree_pss()
+    memory = gpu_used if args.gpu else tree_pss
+    awake = memory()
     result: dict[str, Any] = {
         "model": LLAMA_100M.name,
         "weights_bytes": weights,
         "mode": "multiprocess" if args.mp else "in-process",
         "compiled": args.compile,
+        "device": f"gpu, vLLM sleep level {args.level}" if args.gpu else "cpu",
         "native_equal": None if native is None else native == reference,
         "pss_awake": awake,
         "cycles": [],
     }
     for cycle in range(args.cycles + 1):
         asleep_request = cycle == args.cycles  # the last: a request reaches a sleeping engine
-        before = tree_pss()
-        slept = llm.collective_rpc(SLEEP_METHOD)
-        asleep = tree_pss()
-        worker_fall = slept[0]["pss_anon_before"] - slept[0]["pss_anon"]
+        before = memory()
+        slept = llm.collective_rpc(SLEEP_METHOD, kwargs={"level": args.level})
+        asleep = memory()
+        # On the CPU the worker's own PSS, its heap trimmed before and after, anonymous part
+        # (where the weights live; other processes do not move it); on a GPU the device's.
+        worker_fall = (
+            (before - asleep) if args.gpu else slept[0]["pss_anon_before"] - slept[0]["pss_anon"]
+        )
         start = time.perf_counter()
         woke = None if asleep_request else llm.collective_rpc(WAKE_METHOD)
         woken_at = time.perf_counter()
@@ -155,25 +184,24 @@ def main() -> None:
         entry = {
             "request_while_asleep": asleep_request,
             "released_bytes": slept[0]["released_bytes"],
-            "packed_layers": slept[0]["packed_layers"],
+            "packed_layers": slept[0].get("packed_layers"),
             "sleep_s": round(slept[0]["sleep_s"], 3),
+            # PSS of the engine's processes on the CPU; the GPU's used bytes with --gpu.
             "pss_before": before,
             "pss_asleep": asleep,
             "pss_fall": before - asleep,
-            # The worker's own PSS, its heap trimmed before and after, anonymous part (where
-            # the weights live; other processes do not move it): the weights' share.
             "worker_pss_fall": worker_fall,
             "pss_fall_of_weights": round(worker_fall / weights, 3),
             "wake_s": round(woken_at - start, 3),
             "reload_s": None if woke is None else round(woke[0]["reload_s"], 3),
-            "restore_s": None if woke is None else round(woke[0]["restore_s"], 3),
+            "restore_s": None if woke is None else round(woke[0].get("restore_s", 0.0), 3),
             # The worker's CPU time for the wake: what it costs on a machine others load.
-            "wake_cpu_s": None if woke is None else round(woke[0]["cpu_s"], 3),
+            "wake_cpu_s": None if woke is None else round(woke[0].get("cpu_s", 0.0), 3),
             "first_token_s": round(first_at - woken_at, 3),
             "wake_and_first_token_s": round(first_at - start, 3),
             "first_token_equal": first[0] == reference[0][:1],
             "outputs_equal": outputs == reference,
-            "pss_awake_again": tree_pss(),
+            "pss_awake_again": memory(),
         }
         result["cycles"].append(entry)
         if not args.json:
