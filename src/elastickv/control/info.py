@@ -32,7 +32,8 @@ class InstanceInfo:
     registered_at: float
     floor_bytes: int = 0  # held for the instance's whole life: no limit below it is accepted
     # The model's weights (``elastickv serve``'s asleep tier): sleep asked for, the owner's
-    # answer (asleep now), or the owner's refusal (it cannot release them: a GPU engine).
+    # answer (asleep now), or its refusal (it cannot release them: a GPU engine started
+    # without vLLM's sleep mode).
     sleep_wanted: bool = False
     asleep: bool = False
     sleep_refused: bool = False

@@ -11,8 +11,9 @@ States (what ``/v1/models`` and ``elastickv list`` show):
 * ``asleep`` – tier 2 (after ``sleep_after``): the engine process stays up, its model's
   weights released (asked through its ledger record; it becomes ``asleep`` when the engine
   answers). The next request is forwarded at once and waits in the engine for the reload. An
-  engine that cannot sleep (a GPU engine) refuses, or does not answer within
-  ``SLEEP_ANSWER_S``: the model stays ``kv-released`` and is not asked again.
+  engine that cannot sleep (on a GPU, one started without ``--enable-sleep-mode``) refuses,
+  or does not answer within ``SLEEP_ANSWER_S``: the model stays ``kv-released`` and is not
+  asked again.
 * ``stopped`` – tier 3 (after ``stop_after``, unless pinned): no engine process; the next
   request starts it, one wake at a time, others waiting.
 * ``failed`` – it crashed or failed to start ``MAX_RESTARTS`` times in a row; requests get 503.
