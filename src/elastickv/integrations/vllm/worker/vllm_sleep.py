@@ -83,9 +83,9 @@ def refusal(worker: Any, level: int) -> str | None:
     return None
 
 
-def sleep(worker: Any, level: int, mark: Callable[[GpuSleep], None]) -> dict[str, Any]:
-    """Release ``worker``'s weights at ``level``; ``mark`` keeps the returned state on its
-    runner. Raises ``RuntimeError`` (nothing released) when it cannot."""
+def sleep(worker: Any, level: int) -> tuple[GpuSleep, dict[str, Any]]:
+    """Release ``worker``'s weights at ``level``: the state to keep on its runner, and the
+    reply. Raises ``RuntimeError`` (nothing released) when it cannot."""
     why = refusal(worker, level)
     if why is not None:
         raise RuntimeError(f"elastickv: {why}")
@@ -101,7 +101,6 @@ def sleep(worker: Any, level: int, mark: Callable[[GpuSleep], None]) -> dict[str
             "elastickv: vLLM saw the GPU's free memory fall during the sleep (another engine "
             "committed meanwhile); the weights are released all the same"
         )
-    mark(GpuSleep(worker, level))
     seconds = time.perf_counter() - start
     logger.info(
         "elastickv: weights asleep (vLLM sleep level %d): %s bytes released in %.3f s",
@@ -109,7 +108,8 @@ def sleep(worker: Any, level: int, mark: Callable[[GpuSleep], None]) -> dict[str
         "?" if released is None else released,
         seconds,
     )
-    return {"asleep": True, "level": level, "released_bytes": released or 0, "sleep_s": seconds}
+    reply = {"asleep": True, "level": level, "released_bytes": released or 0, "sleep_s": seconds}
+    return GpuSleep(worker, level), reply
 
 
 def wake(slept: GpuSleep) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from elastickv.integrations.vllm.preflight import platform_name
 from elastickv.integrations.vllm.worker import vllm_sleep
 
 logger = logging.getLogger(__name__)
@@ -246,13 +247,6 @@ def wake_if_asleep(runner: Any) -> None:
         wake(runner)
 
 
-def _on_cpu() -> bool:
-    """vLLM's CPU platform (weights in host memory, no sleep mode of vLLM's own)."""
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
-
-
 def install(worker_cls: type) -> None:
     """Add the sleep and wake RPCs to ``worker_cls`` (vLLM's GPU worker, which the CPU worker
     inherits); each acts on the worker's own model runner."""
@@ -262,11 +256,13 @@ def install(worker_cls: type) -> None:
         are emptied and reloaded from the checkpoint on wake (``level`` does not apply); on
         a GPU, vLLM's sleep mode at ``level``."""
         runner = self.model_runner
-        if _on_cpu():
+        if platform_name() == "cpu":  # no sleep mode of vLLM's own: elastickv's
             return sleep(runner)
         if getattr(runner, _SLEPT, None) is not None:  # a second level-2 sleep would fault
             return {"asleep": True, "released_bytes": 0}
-        return vllm_sleep.sleep(self, level, lambda slept: setattr(runner, _SLEPT, slept))
+        slept, reply = vllm_sleep.sleep(self, level)
+        setattr(runner, _SLEPT, slept)
+        return reply
 
     def wake_weights(self: Any) -> dict[str, Any]:
         """RPC: reload this worker's model weights from the checkpoint."""
