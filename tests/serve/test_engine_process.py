@@ -157,6 +157,58 @@ def test_directories_left_by_a_killed_serve_are_removed_at_the_next_start(
         assert remove_stale_rpc_dirs() == [live]  # its process is gone now
 
 
+# What torch does on an engine's first compile (vLLM's first request with logprobs): write a
+# precompiled header under its default cache directory (its name, from torch, in argv[2]),
+# which it puts in the temporary directory whatever TORCHINDUCTOR_CACHE_DIR says.
+PCH_ENGINE = """
+import os, sys, tempfile
+headers = os.path.join(tempfile.gettempdir(), sys.argv[2], "precompiled_headers")
+os.makedirs(headers, exist_ok=True)
+open(os.path.join(headers, sys.argv[1]), "w").close()
+print(os.environ["TORCHINDUCTOR_CACHE_DIR"], flush=True)
+"""
+
+
+def test_torchs_precompiled_headers_outlive_the_engines_private_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's temporary directory is its own, but torch's cache in it is the one in the
+    temporary directory serve was given: what one start compiled, the next reuses. Until
+    torch made that directory (or when it is not this user's own), a start compiles in its
+    private directory, as it did before."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    async def start(header: str) -> tuple[Path, str]:
+        argv = (sys.executable, "-c", PCH_ENGINE, header, Path(default_cache_dir()).name)
+        env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+        engine = await EngineProcess.start(EngineLaunch("m", argv, env, 1, tmp_path / "m.log"))
+        assert await engine.proc.wait() == 0, engine.log_tail()
+        rpc = engine.rpc_dir
+        engine.kill()
+        assert not rpc.exists()  # the link went with the engine's directory
+        return rpc, (tmp_path / "m.log").read_text().split()[-1]
+
+    with tempfile.TemporaryDirectory(prefix="t-") as short:
+        monkeypatch.setattr(tempfile, "tempdir", short)
+        shared = Path(default_cache_dir())
+        assert shared.parent == Path(short)
+        asyncio.run(start("first.h.gch"))  # nothing to share yet: compiled in its own
+        assert not (shared / "precompiled_headers").exists()
+        shared.mkdir(exist_ok=True)  # what torch makes on its first use (serve points
+        # TORCHINDUCTOR_CACHE_DIR there)
+        _, cache_dir = asyncio.run(start("second.h.gch"))
+        assert cache_dir == str(shared)  # TORCHINDUCTOR_CACHE_DIR: where it was as well
+        asyncio.run(start("third.h.gch"))
+        assert sorted(os.listdir(shared / "precompiled_headers")) == [
+            "second.h.gch",
+            "third.h.gch",
+        ]
+        os.rename(shared, Path(short) / "elsewhere")
+        shared.symlink_to(Path(short) / "elsewhere")  # not a directory of its own: not linked
+        asyncio.run(start("fourth.h.gch"))
+        assert "fourth.h.gch" not in os.listdir(Path(short) / "elsewhere" / "precompiled_headers")
+
+
 # What vLLM's processes map in /dev/shm: the CPU TP communicator's segment and a broadcast
 # queue (left behind), and a file that is not vLLM's own (a ledger: never touched).
 SHM_ENGINE = """
