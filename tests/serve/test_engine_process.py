@@ -178,7 +178,8 @@ def test_torchs_precompiled_headers_outlive_the_engines_private_directory(
     private directory, as it did before."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    async def start(header: str) -> tuple[Path, str]:
+    async def start(header: str) -> str:
+        """One engine start that writes ``header``; its TORCHINDUCTOR_CACHE_DIR."""
         argv = (sys.executable, "-c", PCH_ENGINE, header, Path(default_cache_dir()).name)
         env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
         engine = await EngineProcess.start(EngineLaunch("m", argv, env, 1, tmp_path / "m.log"))
@@ -186,7 +187,7 @@ def test_torchs_precompiled_headers_outlive_the_engines_private_directory(
         rpc = engine.rpc_dir
         engine.kill()
         assert not rpc.exists()  # the link went with the engine's directory
-        return rpc, (tmp_path / "m.log").read_text().split()[-1]
+        return (tmp_path / "m.log").read_text().split()[-1]
 
     with tempfile.TemporaryDirectory(prefix="t-") as short:
         monkeypatch.setattr(tempfile, "tempdir", short)
@@ -194,9 +195,9 @@ def test_torchs_precompiled_headers_outlive_the_engines_private_directory(
         assert shared.parent == Path(short)
         asyncio.run(start("first.h.gch"))  # nothing to share yet: compiled in its own
         assert not (shared / "precompiled_headers").exists()
-        shared.mkdir(exist_ok=True)  # what torch makes on its first use (serve points
-        # TORCHINDUCTOR_CACHE_DIR there)
-        _, cache_dir = asyncio.run(start("second.h.gch"))
+        # Torch makes it on its first use (serve points TORCHINDUCTOR_CACHE_DIR there).
+        shared.mkdir(exist_ok=True)
+        cache_dir = asyncio.run(start("second.h.gch"))
         assert cache_dir == str(shared)  # TORCHINDUCTOR_CACHE_DIR: where it was as well
         asyncio.run(start("third.h.gch"))
         assert sorted(os.listdir(shared / "precompiled_headers")) == [
