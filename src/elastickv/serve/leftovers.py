@@ -40,8 +40,9 @@ PRIVATE_SHM_NAME = re.compile(r".+-cpushm_[0-9]+|psm_[0-9a-f]+|sem\.mp-\w+")
 
 
 def make_rpc_dir() -> Path:
-    """A new owner-only directory for one engine's IPC sockets (see ``RPC_DIR_PREFIX``);
-    ValueError if ``TMPDIR`` is too long for a socket path in it."""
+    """A new owner-only directory for one engine's IPC sockets and temporary files (see
+    ``RPC_DIR_PREFIX`` and :func:`private_temp_env`), torch's cache linked into it; ValueError
+    if ``TMPDIR`` is too long for a socket path in it."""
     path = Path(tempfile.mkdtemp(prefix=RPC_DIR_PREFIX))
     if len(os.fsencode(path)) > MAX_RPC_DIR_BYTES:
         path.rmdir()
@@ -49,6 +50,7 @@ def make_rpc_dir() -> Path:
             f"the temporary directory {path.parent} is too long a path for an engine's IPC "
             f"sockets (a unix socket path holds 107 bytes); set TMPDIR to a shorter one"
         )
+    _link_torch_temp_cache(path, _torch_temp_cache())
     return path
 
 
@@ -59,12 +61,10 @@ def private_temp_env(env: Mapping[str, str], private_dir: Path) -> dict[str, str
     file, one per start, that vLLM never removes. torch's compile caches stay where they
     were, so a woken engine reuses them: ``TORCHINDUCTOR_CACHE_DIR``, and the precompiled
     headers torch keeps under the temporary directory whatever that variable says (linked
-    from ``private_dir``; without the link every start compiled one again: 150 MB, and its
-    first request with logprobs waited about 5 s for it)."""
-    shared = _torch_temp_cache()
+    from ``private_dir`` by :func:`make_rpc_dir`; without the link every start compiled one
+    again: 150 MB, and its first request with logprobs waited about 5 s for it)."""
     if not env.get("TORCHINDUCTOR_CACHE_DIR"):
-        env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(shared)}
-    _link_torch_temp_cache(private_dir, shared)
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(_torch_temp_cache())}
     return {**env, "VLLM_RPC_BASE_PATH": str(private_dir), "TMPDIR": str(private_dir)}
 
 
