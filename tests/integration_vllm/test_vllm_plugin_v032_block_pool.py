@@ -105,7 +105,10 @@ def scheduler_of(pool: Any, running: int, waiting: list[int], **fields: Any) -> 
     """The scheduler fields the pool reads: running requests (each with one token to
     compute), waiting prompts of ``waiting`` tokens, its token budget and request limit."""
     return SimpleNamespace(
-        running=[SimpleNamespace(num_tokens=1, num_computed_tokens=0) for _ in range(running)],
+        running=[
+            SimpleNamespace(request_id=f"r{i}", num_tokens=1, num_computed_tokens=0)
+            for i in range(running)
+        ],
         waiting=_Waiting(waiting_request(f"w{i}", n) for i, n in enumerate(waiting)),
         max_num_scheduled_tokens=fields.get("budget", 64),
         max_num_running_reqs=fields.get("max_running", 8),
@@ -293,11 +296,12 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
     made = make_pool(32, 6)  # null + 5 pages
     try:
         running = made.get_new_blocks(2)
-        holders = {"a": running[:1], "b": running[1:], "c": []}
-        requests = {
-            "a": SimpleNamespace(status=_running(), num_tokens=16),  # a full block: grows
-            "b": SimpleNamespace(status=_running(), num_tokens=8),  # mid-block
-        }
+        holders = {"a": running[:1], "b": running[1:], "c": [], "d": running[:1]}
+        requests = [  # "d" holds blocks and is not running (a transfer's): no headroom for it
+            SimpleNamespace(request_id="a", num_tokens=16, num_computed_tokens=15),  # grows
+            SimpleNamespace(request_id="b", num_tokens=8, num_computed_tokens=7),  # mid-block
+            SimpleNamespace(request_id="e", num_tokens=1, num_computed_tokens=0),  # no blocks
+        ]
         manager = SimpleNamespace(
             watermark_blocks=1,  # vLLM's own (--watermark)
             coordinator=SimpleNamespace(
@@ -306,12 +310,12 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
         )
         scheduler = scheduler_of(made, 2, [16])
         scheduler.kv_cache_manager = manager
-        scheduler.requests = requests
+        scheduler.running = requests
         made.begin_step(scheduler)
         assert made.get_num_free_blocks() == 3  # the budget binds, not vLLM's 29 free
         assert manager.watermark_blocks == 1 + 1  # "a" needs a block next
         assert admission_headroom(manager, requests) == 1
-        assert admission_headroom(manager, None) == 2  # unknown requests: every holder
+        assert admission_headroom(manager, None) == 3  # unknown requests: every holder
         assert admission_headroom(SimpleNamespace(), requests) == 0
         roomy = make_pool(32, None)
         try:
@@ -323,12 +327,6 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
             roomy.close_elastic()
     finally:
         made.close_elastic()
-
-
-def _running() -> Any:
-    from vllm.v1.request import RequestStatus
-
-    return RequestStatus.RUNNING
 
 
 def test_a_steps_page_operations_map_exactly_what_was_granted() -> None:
@@ -349,9 +347,7 @@ def test_a_steps_page_operations_map_exactly_what_was_granted() -> None:
                 follower.apply(output.elastickv_page_ops)
                 assert vrange.footprint_bytes() == made.elastic_stats()["granted_pages"] * PAGE
                 assert vrange.committed_pages() == made.allocator.committed_pages()
-                made.begin_free_batch()
-                made.free_blocks(reversed(taken))
-                made.end_free_batch()
+                made.free_blocks(reversed(taken))  # batched: handed over by the next step
             follower.apply(made.take_page_ops())
             assert vrange.committed_pages() == made.allocator.committed_pages()
             assert vrange.committed_pages() == made.allocator.null_block_pages()
@@ -446,9 +442,10 @@ def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> N
 @pytest.mark.parametrize("seed", range(6))
 def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool) -> None:
     """Random allocations, growth and frees (reversed per request, as the scheduler issues
-    them; in batches or one by one) on the elastic pool and on vLLM's own: the same free
-    count and reference counts after every step, every block in use or parked is live in the
-    allocator and every other block is free there, and reused blocks lose their hash."""
+    them; batched between two steps or one by one) on the elastic pool and on vLLM's own:
+    the same free count and reference counts after every step, every block in use or parked
+    is live in the allocator and every other block is free there, and reused blocks lose
+    their hash."""
     import random
 
     from vllm.v1.core.block_pool import BlockPool
@@ -484,8 +481,8 @@ def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool
                 theirs.extend(native.get_new_blocks(1))
             elif held:
                 batch = rng.random() < 0.5
-                if batch:
-                    elastic.begin_free_batch()
+                if batch:  # a step ended: the frees until the next one are batched
+                    elastic.end_step(None, SimpleNamespace())
                 for _ in range(min(len(held), rng.randint(1, 3))):
                     mine, theirs = held.pop(rng.randrange(len(held)))
                     if caching:  # full blocks enter the prefix cache: they are parked
@@ -497,8 +494,8 @@ def test_elastic_pool_keeps_vllms_books_like_vllms_pool(seed: int, caching: bool
                             elastic._insert_block_hash(key, block, num_tokens=16)
                     elastic.free_blocks(reversed(mine))
                     native.free_blocks(reversed(theirs))
-                if batch:
-                    elastic.end_free_batch()
+                if batch:  # the next step hands them over
+                    elastic.begin_step(scheduler_of(elastic, 0, []))
             allocator = elastic.allocator
             assert elastic.get_num_free_blocks() == native.get_num_free_blocks()
             assert elastic.get_usage() == native.get_usage()
@@ -594,7 +591,7 @@ def test_an_engine_waiting_for_memory_skips_its_empty_steps(tmp_path: Path) -> N
             made.note_step(scheduler, False)
             assert not made.waits_for_memory(scheduler)
             for running, connector in ((1, None), (0, object())):
-                scheduler.running = [SimpleNamespace(num_tokens=1, num_computed_tokens=0)] * running
+                scheduler.running = scheduler_of(made, running, []).running
                 scheduler.connector = connector
                 made.begin_step(scheduler)
                 made.note_step(scheduler, False)

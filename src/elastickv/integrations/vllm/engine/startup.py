@@ -105,24 +105,26 @@ def startup_refusal(store: ElasticStore, registration: EngineRegistration | None
 
 class RefusalLog:
     """Counts allocations the limit refused; logs the first, then at most one line per
-    interval (a refusal happens on every scheduler step while an engine is at its limit)."""
+    interval (a refusal happens on every scheduler step while an engine is at its limit, so
+    a caller may hold refusals back while ``time.monotonic() < next_log`` and pass their
+    ``count`` with the next one)."""
 
     def __init__(self, name: str, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
         self.name = name
         self.interval_s = interval_s
         self.count = 0
         self._pending = 0
-        self._next_log = 0.0
+        self.next_log = 0.0  # no line before this (monotonic clock)
 
-    def refused(self, blocks: int, committed_bytes: Callable[[], int]) -> None:
-        """One refusal of ``blocks``; ``committed_bytes`` is read only when a line is logged
-        (this runs on every scheduler step of an engine at its limit)."""
-        self.count += 1
-        self._pending += 1
+    def refused(self, blocks: int, committed_bytes: Callable[[], int], count: int = 1) -> None:
+        """``count`` refusals, the last of ``blocks``; ``committed_bytes`` is read only when a
+        line is logged."""
+        self.count += count
+        self._pending += count
         now = time.monotonic()
-        if now < self._next_log:
+        if now < self.next_log:
             return
-        self._next_log = now + self.interval_s
+        self.next_log = now + self.interval_s
         logger.info(
             "elastickv: %r is at its memory limit (%s committed): %d allocation%s refused "
             "(last: %d blocks); vLLM keeps requests waiting or preempts until memory frees",

@@ -35,7 +35,6 @@ from collections.abc import Iterable
 from typing import Any
 
 from vllm.v1.core.block_pool import BlockPool
-from vllm.v1.request import RequestStatus
 
 from elastickv.alloc import AllocatorStats, BlockAllocator
 from elastickv.control.credit import CreditPolicy
@@ -57,7 +56,7 @@ PUBLISH_INTERVAL_S = 0.25
 # After the ledger refused credit for the device budget (other engines hold it), ask again at
 # most this often: memory another engine released is seen this late.
 CREDIT_RETRY_S = 0.02
-_RUNNING = RequestStatus.RUNNING
+_deque_len = deque.__len__
 
 
 class ElasticCapacityError(RuntimeError):
@@ -107,12 +106,15 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._next_limit_check = 0.0
         self._next_publish = 0.0
         self._credit_retry_at = 0.0
-        # Block ids freed while a batch is open (see :meth:`begin_free_batch`); None: none open.
+        # Block ids freed since the last step (see :meth:`hand_over`); None: inside a step.
         self.free_batch: list[int] | None = None
-        self._refusals = RefusalLog(self.registration.name if self.registration else "engine")
+        self._refusal_log = RefusalLog(self.registration.name if self.registration else "engine")
+        self._refusals_held = 0  # refusals since the log's last line
         self._draining_revision = 0
         self._watermark: int | None = None  # vLLM's own watermark, before any headroom
         self._headroom = 0  # the admission headroom the watermark holds now
+        # vLLM's blocks by request and its block size (see :func:`block_holders`), found once.
+        self._holders: tuple[dict[str, list[Any]], int] | None = None
         self._short = False  # the ledger gave less credit than a step needed
         # The state an empty schedule was made from while the engine waits for memory, and
         # the state a step that may schedule nothing began from.
@@ -168,39 +170,91 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         """Before vLLM schedules a step: apply a lowered limit, move the credit to this step's
         demand (one ledger operation at most, and none while the credit covers it), and keep
         admission headroom for the running requests while the limit or the device budget,
-        not vLLM's own free blocks, binds."""
+        not vLLM's own free blocks, binds.
+
+        Every step of every elastic engine runs this, so its common paths (short within the
+        retry interval; the waiting queue's sum unchanged; the credit ample) are written out
+        here, each attribute read once; the rest is in the methods they fall back to
+        (``bench_scheduler.py`` measures the whole)."""
         self.idle = False
-        if self.free_batch:
-            self._flush_frees()
+        batch = self.free_batch
+        if batch is not None:  # what went back since the last step, in one allocator call
+            self.free_batch = None
+            if batch:
+                self.hand_over(batch)
         now = time.monotonic()
         if now >= self._next_limit_check:
             self.sync_limit()
         running = len(scheduler.running)
         queue = scheduler.waiting
-        queued = len(queue)
-        waiting = 0
-        if queued:
-            room = scheduler.max_num_running_reqs - running
-            if room > 0:
-                waiting = self._waiting_blocks(queue, room, queued)
-            self._forecast = running + waiting
-        else:
-            self._forecast = 0
+        fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
+        queued = _deque_len(queue) if fcfs else len(queue)
         credit = self.credit
-        if credit is not None:
-            self._move_credit(credit, scheduler, running, waiting, now)
-            # With credit, the limit or the device budget (not vLLM's own free blocks) binds
-            # when the ledger gave less than the step needs: credit is always short of
-            # vLLM's virtual blocks.
-            short = self._short
-        else:  # a local budget binds when its room is short of vLLM's free blocks
-            short = self.get_num_free_blocks() < self.free_block_queue.num_free_blocks
+        if credit is not None and self._short and now < self._credit_retry_at:
+            # Short since the ledger or the limit last refused credit, less than
+            # CREDIT_RETRY_S ago: nothing is asked before then, so the demand is not counted
+            # again either (the forecast stays the last one counted).
+            short = True
+        else:
+            waiting = 0
+            if queued:
+                room = scheduler.max_num_running_reqs - running
+                if room > 0:
+                    first = queue[0] if fcfs else queue.peek_request()
+                    if (
+                        first is self._waiting_first
+                        and queued == self._waiting_len
+                        and room == self._waiting_room
+                    ):  # :meth:`_waiting_blocks`' kept sum, within vLLM's free blocks
+                        waiting = self._waiting_sum
+                        free = self.free_block_queue.num_free_blocks
+                        if waiting > free:
+                            waiting = free
+                    else:
+                        waiting = self._waiting_blocks(queue, room, queued)
+            # While requests wait, the allocator keeps hot the pages the next step will
+            # likely take: a block per running request, the prompts there is room to admit.
+            forecast = running + waiting if queued else 0
+            if forecast != self._forecast:
+                self._forecast = forecast
+                self.allocator.forecast(forecast)
+            if credit is None:  # a local budget binds when its room is short of vLLM's blocks
+                short = self.get_num_free_blocks() < self.free_block_queue.num_free_blocks
+            else:
+                # With credit, the limit or the device budget (not vLLM's own free blocks)
+                # binds when the ledger gave less than the step needs: credit is always short
+                # of vLLM's virtual blocks. :meth:`_move_credit`'s case that changes nothing
+                # is decided here: the credit covers the step's ample demand and is not far
+                # beyond it.
+                budget_blocks = self._budget_blocks
+                if budget_blocks < 0:
+                    budget_blocks = self._step_budget_blocks(scheduler)
+                ready = self.allocator.warm_free_blocks + len(self._parked)
+                ample_blocks = running + budget_blocks + waiting - ready
+                slab = self._slab_blocks
+                ample = -(-ample_blocks // slab) * self._slab_bytes if ample_blocks > 0 else 0
+                have = credit.credit_bytes
+                if ample <= have <= 2 * ample + self._slack_bytes:
+                    self._short = False
+                    if now >= self._next_publish:
+                        self._publish(credit, now)
+                else:
+                    self._move_credit(credit, scheduler, running, waiting, now)
+                short = self._short
         headroom = 0
         if short:
             self.refusals += 1
             if queued and running:
-                headroom = admission_headroom(scheduler.kv_cache_manager, scheduler.requests)
-                self._refusals.refused(headroom + 1, self._committed_bytes)
+                table = self._holders
+                if table is None:
+                    table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
+                headroom = full_holders(table[0], table[1], scheduler.running)
+                self._refusals_held += 1
+                if now >= self._refusal_log.next_log:
+                    self._refusal_log.refused(
+                        headroom + 1, self._committed_bytes, count=self._refusals_held
+                    )
+                    self._refusals_held = 0
         if headroom != self._headroom:
             manager = scheduler.kv_cache_manager
             if self._watermark is None:
@@ -212,12 +266,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
-        worker, and while requests wait the allocator keeps hot the pages the next step will
-        likely take (one block per running request, the prompts there is room to admit)."""
+        worker, and the blocks freed until the next step are batched."""
         grants = self.grants
         if grants is not None:
             setattr(output, PAGE_OPS_ATTR, grants.drain())
-        self.allocator.forecast(self._forecast)
+        if self.free_batch is None:
+            self.free_batch = []  # until the next step: see :meth:`hand_over`
 
     # -- an engine that waits for memory (engine core's step hook) ----------------------------
 
@@ -340,9 +394,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
         budget_blocks = self._budget_blocks
-        if budget_blocks < 0:  # the step's token budget in blocks (fixed for a scheduler)
-            tokens = int(scheduler.max_num_scheduled_tokens)
-            budget_blocks = self._budget_blocks = -(-tokens // self._block_tokens)
+        if budget_blocks < 0:
+            budget_blocks = self._step_budget_blocks(scheduler)
         ample_blocks = running + budget_blocks + waiting - ready
         ample = self._bytes_for(ample_blocks)
         if ample <= have:
@@ -387,6 +440,12 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._credit_retry_at = now + CREDIT_RETRY_S
         self._next_publish = now + PUBLISH_INTERVAL_S
 
+    def _step_budget_blocks(self, scheduler: Any) -> int:
+        """The step's token budget in blocks (fixed for a scheduler: read once)."""
+        tokens = int(scheduler.max_num_scheduled_tokens)
+        self._budget_blocks = -(-tokens // self._block_tokens)
+        return self._budget_blocks
+
     def _settle(self, credit: CreditPolicy, nbytes: int) -> int:
         """:meth:`CreditPolicy.settle`, and the kept free count forgotten (the credit moved)."""
         self._forget()
@@ -406,6 +465,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         """The engine has no request left (once per idle spell, from the engine core): no
         demand is left to keep pages or credit for."""
         self.idle = True
+        self._flush_frees()
+        self._forecast = 0
         self.allocator.forecast(0)
         if self.credit is not None:
             self._settle(self.credit, 0)
@@ -414,6 +475,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def idle_tick(self) -> int:
         """The engine waits for work (its idle ticks): no demand is left to keep pages or
         credit for, and a lowered limit applies now. Returns pages released."""
+        self._forecast = 0
         self.allocator.forecast(0)
         released = self.sync_limit_idle()
         if self.credit is not None and self.credit.credit_bytes:
@@ -423,33 +485,29 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def take_page_ops(self) -> PageOps | None:
         """Page operations not yet sent to the workers (the engine going idle hands them over
         outside a step: a release must not wait for the next request)."""
+        self._flush_frees()
         return None if self.grants is None else self.grants.drain()
 
-    # -- batched frees (scheduler hook) -----------------------------------------------------
-
-    def begin_free_batch(self) -> None:
-        """The scheduler starts processing a step's output, where every finished request
-        frees its blocks: collect the blocks that go back to the allocator and hand them over
-        in one call at :meth:`end_free_batch` (one lock and one pass over the slabs instead of
-        one per request). vLLM's own free queue is updated at once, as always."""
-        if self.free_batch is None:
-            self.free_batch = []
-
-    def end_free_batch(self) -> None:
-        """Hand the batch's blocks to the allocator and close the batch (closed first, so a
-        failing free leaves no batch open)."""
-        batch, self.free_batch = self.free_batch, None
-        if batch:
-            self.hand_over(batch)
+    # -- batched frees ------------------------------------------------------------------------
 
     def _flush_frees(self) -> None:
+        """Hand over the batch's blocks now (an allocation or a reading of the allocator's
+        state outside a step needs them), keeping the batch open."""
         batch = self.free_batch
         if batch:
             self.free_batch = []
             self.hand_over(batch)
 
     def hand_over(self, batch: list[int]) -> None:
-        """Free a batch's blocks in one allocator call (a block listed twice, once)."""
+        """Free a batch's blocks in one allocator call (a block listed twice, once).
+
+        The blocks vLLM frees between two scheduler steps (the finished requests of a step's
+        output, aborts) are batched: :meth:`end_step` opens a batch, the next
+        :meth:`begin_step` hands it over in one call (one lock and one pass over the slabs
+        instead of one per request), and so do the engine going idle and every reading of
+        the allocator's state in between. Frees inside a step (vLLM preempting) reach the
+        allocator at once: the step's own free-block count needs them. vLLM's free queue is
+        updated at once, as always."""
         if len(set(batch)) != len(batch):
             batch = list(dict.fromkeys(batch))
         self.allocator.free(batch)
@@ -729,11 +787,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         }
 
 
-def admission_headroom(manager: Any, requests: dict[str, Any] | None) -> int:
+def admission_headroom(manager: Any, running: Iterable[Any] | None) -> int:
     """Blocks to keep free when a waiting request is admitted: one for every running request
-    that holds blocks and fills them all, so its next token needs a new block (``requests``:
-    the scheduler's requests by id; without them every holder counts). 0 when vLLM's
-    internals are not as expected.
+    that holds blocks and fills them all, so its next token needs a new block (``running``:
+    the scheduler's running requests; None: every holder counts). 0 when vLLM's internals
+    are not as expected.
 
     Why: without it an engine whose limit holds exactly N prompts admits N, none of them can
     grow, and vLLM preempts and re-admits them in turn (measured: 44 preemptions and 20 s
@@ -742,20 +800,32 @@ def admission_headroom(manager: Any, requests: dict[str, Any] | None) -> int:
     in the next step, and counting every holder kept each batch a block per running request
     short of native vLLM's under a binding limit (64 requests at 32, 1.5 MiB on both sides:
     0.67x native's throughput and 2.9x its TTFT; with this rule 0.75x and 1.6x)."""
+    table = block_holders(manager)
+    if table is None:
+        return 0
+    holders, size = table
+    if running is None:
+        return sum(map(bool, holders.values()))
+    return full_holders(holders, size, running)
+
+
+def block_holders(manager: Any) -> tuple[dict[str, list[Any]], int] | None:
+    """vLLM's blocks by request id and its block size (the first KV-cache group's; vLLM
+    keeps that table for the manager's life), or None when its internals are not as
+    expected."""
     try:
         single = manager.coordinator.single_type_managers[0]
-        holders = single.req_to_blocks
-    except (AttributeError, IndexError):
-        return 0
-    if requests is None:
-        return sum(map(bool, holders.values()))
-    size = single.block_size
+        return single.req_to_blocks, int(single.block_size)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def full_holders(holders: dict[str, list[Any]], size: int, running: Iterable[Any]) -> int:
+    """The ``running`` requests that hold blocks in ``holders`` and fill them all."""
     holding = 0
-    for request_id, blocks in holders.items():
-        if blocks:
-            other = requests.get(request_id)
-            if other is None or (
-                other.status is _RUNNING and other.num_tokens >= len(blocks) * size
-            ):
-                holding += 1
+    get = holders.get
+    for request in running:
+        blocks = get(request.request_id)
+        if blocks and request.num_tokens >= len(blocks) * size:
+            holding += 1
     return holding

@@ -1,5 +1,5 @@
-"""Scheduler-side hooks, the same for vLLM 0.28–0.32: an elastic block pool and two per-step
-hooks. Only the pool class differs by version (``scheduler_v028`` supplies 0.28's).
+"""Scheduler-side hooks, the same for vLLM 0.28–0.32: an elastic block pool and one per-step
+hook. Only the pool class differs by version (``scheduler_v028`` supplies 0.28's).
 
 ``vllm.v1.core.kv_cache_coordinator.BlockPool`` becomes the elastic pool class (every
 coordinator builds its pool through that name; there is no injection parameter). The pool
@@ -7,12 +7,11 @@ answers vLLM's free-block count from room it holds (see :mod:`.block_pool`), so 
 hooks vLLM's per-request paths.
 
 On ``vllm.v1.core.sched.scheduler.Scheduler``: ``schedule`` first applies the engine's live
-ledger limit and moves its credit to the step's demand (:meth:`ElasticBlockPool.begin_step`),
-and afterwards hands the step's page operations to its ``SchedulerOutput``, for the workers
-to map (:meth:`ElasticBlockPool.end_step`); ``update_from_output`` hands the blocks its
-finished requests free to the allocator in one batch
-(:meth:`ElasticBlockPool.begin_free_batch`); ``shutdown`` returns the pages and unregisters the
-engine from the ledger. The two per-step hooks are compiled with vLLM's own signatures
+ledger limit, hands the blocks freed since the last step to the allocator and moves its
+credit to the step's demand (:meth:`ElasticBlockPool.begin_step`), and afterwards hands the
+step's page operations to its ``SchedulerOutput``, for the workers to map
+(:meth:`ElasticBlockPool.end_step`); ``shutdown`` returns the pages and unregisters the
+engine from the ledger. The per-step hook is compiled with vLLM's own signature
 (:func:`~elastickv.integrations.vllm.hooks.compile_hook`).
 """
 
@@ -27,9 +26,9 @@ if TYPE_CHECKING:
     from elastickv.integrations.vllm.scheduler.block_pool import ElasticBlockPool
 
 
-# Once per step each: both start by finding the pool by attribute (no ``getattr`` defaults)
-# on the path every step takes; a scheduler without one is left to ``elastic_pool``.
-_STEP_HOOK_START = """
+# Once per step: it finds the pool by attribute (no ``getattr`` defaults) on the path every
+# step takes; a scheduler without one is left to ``elastic_pool``.
+SCHEDULE_HOOK = """
 def {name}({signature}):
     try:
         pool = self.kv_cache_manager.block_pool
@@ -37,32 +36,11 @@ def {name}({signature}):
         pool = elastic_pool(self)
     if not isinstance(pool, ElasticBlockPool):
         return original({arguments})
-"""
-SCHEDULE_HOOK = (
-    _STEP_HOOK_START
-    + """    pool.begin_step(self)  # live limit, credit for the step, admission headroom
+    pool.begin_step(self)  # frees handed over, live limit, credit, admission headroom
     output = original({arguments})
     pool.end_step(self, output)  # the step's page operations ride with its output
     return output
 """
-)
-# ``begin_free_batch`` / ``end_free_batch``, inlined (this runs on every step): the
-# finished requests' blocks reach the allocator at once. The batch is read again at the end:
-# an allocation inside hands over what was freed before it and opens a new list.
-UPDATE_HOOK = (
-    _STEP_HOOK_START
-    + """    if pool.free_batch is not None:  # a batch is open already
-        return original({arguments})
-    pool.free_batch = []
-    try:
-        return original({arguments})
-    finally:
-        batch = pool.free_batch
-        pool.free_batch = None
-        if batch:
-            pool.hand_over(batch)
-"""
-)
 
 
 def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
@@ -93,23 +71,6 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
 
         return schedule
 
-    def update_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-        fast = compile_hook(original, UPDATE_HOOK, names, uses=("self",))
-        if fast is not None:
-            return fast
-
-        def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-            pool = _elastic_pool(self)
-            if pool is None or pool.free_batch is not None:  # as UPDATE_HOOK: not ours to close
-                return original(self, *args, **kwargs)
-            pool.begin_free_batch()
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                pool.end_free_batch()
-
-        return update_from_output
-
     def shutdown_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
         def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
@@ -122,7 +83,6 @@ def install(pool_class: type[ElasticBlockPool] | None = None) -> None:
         return shutdown
 
     wrap_method(scheduler.Scheduler, "schedule", schedule_wrapper)
-    wrap_method(scheduler.Scheduler, "update_from_output", update_wrapper)
     wrap_method(scheduler.Scheduler, "shutdown", shutdown_wrapper)
 
 
