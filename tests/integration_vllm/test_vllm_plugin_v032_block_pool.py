@@ -291,7 +291,7 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
     holds one block for every running request whose next token needs a new block, so a limit
     that holds exactly N prompts does not admit N that cannot grow; vLLM's own watermark is
     kept under it."""
-    from elastickv.integrations.vllm.scheduler.block_pool import admission_headroom
+    from elastickv.integrations.vllm.scheduler.block_pool import admission_headroom, block_holders
 
     made = make_pool(32, 6)  # null + 5 pages
     try:
@@ -314,9 +314,9 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
         made.begin_step(scheduler)
         assert made.get_num_free_blocks() == 3  # the budget binds, not vLLM's 29 free
         assert manager.watermark_blocks == 1 + 1  # "a" needs a block next
-        assert admission_headroom(manager, requests) == 1
-        assert admission_headroom(manager, None) == 3  # unknown requests: every holder
-        assert admission_headroom(SimpleNamespace(), requests) == 0
+        assert block_holders(manager) == (holders, 16)
+        assert admission_headroom(holders, 16, requests) == 1
+        assert block_holders(SimpleNamespace()) is None  # internals not as expected: none
         roomy = make_pool(32, None)
         try:
             roomy_manager = SimpleNamespace(watermark_blocks=0, coordinator=manager.coordinator)

@@ -248,7 +248,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 table = self._holders
                 if table is None:
                     table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
-                headroom = full_holders(table[0], table[1], scheduler.running)
+                headroom = admission_headroom(table[0], table[1], scheduler.running)
                 self._refusals_held += 1
                 if now >= self._refusal_log.next_log:
                     self._refusal_log.refused(
@@ -787,11 +787,21 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         }
 
 
-def admission_headroom(manager: Any, running: Iterable[Any] | None) -> int:
-    """Blocks to keep free when a waiting request is admitted: one for every running request
-    that holds blocks and fills them all, so its next token needs a new block (``running``:
-    the scheduler's running requests; None: every holder counts). 0 when vLLM's internals
-    are not as expected.
+def block_holders(manager: Any) -> tuple[dict[str, list[Any]], int] | None:
+    """vLLM's blocks by request id and its block size (the first KV-cache group's; vLLM
+    keeps that table for the manager's life), or None when its internals are not as
+    expected (then no admission headroom is kept)."""
+    try:
+        single = manager.coordinator.single_type_managers[0]
+        return single.req_to_blocks, int(single.block_size)
+    except (AttributeError, IndexError, TypeError):
+        return None
+
+
+def admission_headroom(holders: dict[str, list[Any]], size: int, running: Iterable[Any]) -> int:
+    """Blocks to keep free when a waiting request is admitted: one for every ``running``
+    request that holds blocks in ``holders`` (:func:`block_holders`) and fills them all, so
+    its next token needs a new block.
 
     Why: without it an engine whose limit holds exactly N prompts admits N, none of them can
     grow, and vLLM preempts and re-admits them in turn (measured: 44 preemptions and 20 s
@@ -800,28 +810,6 @@ def admission_headroom(manager: Any, running: Iterable[Any] | None) -> int:
     in the next step, and counting every holder kept each batch a block per running request
     short of native vLLM's under a binding limit (64 requests at 32, 1.5 MiB on both sides:
     0.67x native's throughput and 2.9x its TTFT; with this rule 0.75x and 1.6x)."""
-    table = block_holders(manager)
-    if table is None:
-        return 0
-    holders, size = table
-    if running is None:
-        return sum(map(bool, holders.values()))
-    return full_holders(holders, size, running)
-
-
-def block_holders(manager: Any) -> tuple[dict[str, list[Any]], int] | None:
-    """vLLM's blocks by request id and its block size (the first KV-cache group's; vLLM
-    keeps that table for the manager's life), or None when its internals are not as
-    expected."""
-    try:
-        single = manager.coordinator.single_type_managers[0]
-        return single.req_to_blocks, int(single.block_size)
-    except (AttributeError, IndexError, TypeError):
-        return None
-
-
-def full_holders(holders: dict[str, list[Any]], size: int, running: Iterable[Any]) -> int:
-    """The ``running`` requests that hold blocks in ``holders`` and fill them all."""
     holding = 0
     get = holders.get
     for request in running:
