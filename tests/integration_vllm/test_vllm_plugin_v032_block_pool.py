@@ -286,6 +286,30 @@ def test_credit_short_of_the_ample_demand_is_topped_up_once(
             handle.close()
 
 
+def test_blocks_freed_after_the_last_step_go_back_when_the_engine_idles(tmp_path: Path) -> None:
+    """The blocks freed while a step's output is processed wait in a batch for the next step;
+    when none comes (the engine's last request finished), going idle hands them over: their
+    pages and the credit go back to the device."""
+    with open_ledger(directory=str(tmp_path), total_bytes=64 * PAGE, utilization=1.0) as ledger:
+        handle = ledger.register("engine")
+        made = make_pool(32, None, policy=lambda config, device: CreditPolicy(handle))
+        try:
+            scheduler = scheduler_of(made, 1, [40])
+            made.begin_step(scheduler)
+            taken = made.get_new_blocks(4)
+            made.end_step(scheduler, SimpleNamespace())
+            live = made.allocator.stats().live_blocks
+            made.free_blocks(reversed(taken))  # the step's request finished
+            assert made.allocator.stats().live_blocks == live  # batched until the next step
+            made.went_idle()
+            assert made.allocator.stats().live_blocks == live - 4
+            info = handle.info()
+            assert (info.committed_bytes, info.reserved_bytes) == (PAGE, 0)
+        finally:
+            made.close_elastic()
+            handle.close()
+
+
 def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None:
     """While the credit is what bounds the free count and requests wait, vLLM's watermark
     holds one block for every running request whose next token needs a new block, so a limit
