@@ -298,7 +298,7 @@ def pool_step(
 
         def drive(pool: Any, hooks: bool) -> Workload:
             # What allocate_slots and the scheduler around it call on the pool; with the
-            # hooks, also what the per-step hooks do around ``schedule`` and the output.
+            # hooks, also what the per-step hook does around ``schedule``.
             requests = [
                 SimpleNamespace(request_id=str(i), num_tokens=16 * n, num_computed_tokens=0)
                 for i, n in enumerate(MIXED_SIZES)
@@ -341,12 +341,9 @@ def pool_step(
                 scheduler.running = requests
                 for _ in range(DECODE_STEPS):
                     step(decode)
-                if hooks:
-                    pool.begin_free_batch()
+                # With the hooks, batched since the last step: the next step hands them over.
                 for i in FINISH_ORDER:
                     pool.free_blocks(reversed(holders.pop(requests[i].request_id)))
-                if hooks:
-                    pool.end_free_batch()
 
             return run
 

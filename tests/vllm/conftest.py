@@ -18,6 +18,7 @@ _FILES = {
         "test_transfer_v032.py",
         "test_nixl_progress_v032.py",
         "test_docs_commands_v032.py",
+        "test_bench_alloc_v032.py",
     ),
 }
 
