@@ -172,10 +172,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         admission headroom for the running requests while the limit or the device budget,
         not vLLM's own free blocks, binds.
 
-        Every step of every elastic engine runs this, so its common paths (short within the
-        retry interval; the waiting queue's sum unchanged; the credit ample) are written out
-        here, each attribute read once; the rest is in the methods they fall back to
-        (``bench_scheduler.py`` measures the whole)."""
+        Every step of every elastic engine runs this (``bench_scheduler.py`` measures it):
+        an engine short of credit within the retry interval counts nothing, and vLLM's FCFS
+        queue is read with the deque's own length."""
         self.idle = False
         batch = self.free_batch
         if batch is not None:  # what went back since the last step, in one allocator call
@@ -200,18 +199,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if queued:
                 room = scheduler.max_num_running_reqs - running
                 if room > 0:
-                    first = queue[0] if fcfs else queue.peek_request()
-                    if (
-                        first is self._waiting_first
-                        and queued == self._waiting_len
-                        and room == self._waiting_room
-                    ):  # :meth:`_waiting_blocks`' kept sum, within vLLM's free blocks
-                        waiting = self._waiting_sum
-                        free = self.free_block_queue.num_free_blocks
-                        if waiting > free:
-                            waiting = free
-                    else:
-                        waiting = self._waiting_blocks(queue, room, queued)
+                    waiting = self._waiting_blocks(queue, room, queued)
             # While requests wait, the allocator keeps hot the pages the next step will
             # likely take: a block per running request, the prompts there is room to admit.
             forecast = running + waiting if queued else 0
@@ -223,23 +211,8 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             else:
                 # With credit, the limit or the device budget (not vLLM's own free blocks)
                 # binds when the ledger gave less than the step needs: credit is always short
-                # of vLLM's virtual blocks. :meth:`_move_credit`'s case that changes nothing
-                # is decided here: the credit covers the step's ample demand and is not far
-                # beyond it.
-                budget_blocks = self._budget_blocks
-                if budget_blocks < 0:
-                    budget_blocks = self._step_budget_blocks(scheduler)
-                ready = self.allocator.warm_free_blocks + len(self._parked)
-                ample_blocks = running + budget_blocks + waiting - ready
-                slab = self._slab_blocks
-                ample = -(-ample_blocks // slab) * self._slab_bytes if ample_blocks > 0 else 0
-                have = credit.credit_bytes
-                if ample <= have <= 2 * ample + self._slack_bytes:
-                    self._short = False
-                    if now >= self._next_publish:
-                        self._publish(credit, now)
-                else:
-                    self._move_credit(credit, scheduler, running, waiting, now)
+                # of vLLM's virtual blocks.
+                self._move_credit(credit, scheduler, running, waiting, now)
                 short = self._short
         headroom = 0
         if short:
@@ -394,8 +367,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
         budget_blocks = self._budget_blocks
-        if budget_blocks < 0:
-            budget_blocks = self._step_budget_blocks(scheduler)
+        if budget_blocks < 0:  # the step's token budget in blocks (fixed for a scheduler)
+            tokens = int(scheduler.max_num_scheduled_tokens)
+            budget_blocks = self._budget_blocks = -(-tokens // self._block_tokens)
         ample_blocks = running + budget_blocks + waiting - ready
         ample = self._bytes_for(ample_blocks)
         if ample <= have:
@@ -439,12 +413,6 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if granted < ask:
             self._credit_retry_at = now + CREDIT_RETRY_S
         self._next_publish = now + PUBLISH_INTERVAL_S
-
-    def _step_budget_blocks(self, scheduler: Any) -> int:
-        """The step's token budget in blocks (fixed for a scheduler: read once)."""
-        tokens = int(scheduler.max_num_scheduled_tokens)
-        self._budget_blocks = -(-tokens // self._block_tokens)
-        return self._budget_blocks
 
     def _settle(self, credit: CreditPolicy, nbytes: int) -> int:
         """:meth:`CreditPolicy.settle`, and the kept free count forgotten (the credit moved)."""
