@@ -90,6 +90,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.worker.gpu import attn_utils
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+from vllm_backends import load_backends
 
 from elastickv.geometry import (
     GeometryError,
@@ -180,19 +181,7 @@ MODELLED_QUANTS = (
 MODEL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _load_backends() -> tuple[dict[str, Any], dict[str, str]]:
-    """Import every registered backend in registry order; keep the classes and the errors."""
-    classes: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    for member in AttentionBackendEnum:
-        try:
-            classes[member.name] = member.get_class()
-        except Exception as exc:  # any import failure is a finding to record
-            errors[member.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    return classes, errors
-
-
-BACKENDS, IMPORT_ERRORS = _load_backends()
+BACKENDS, IMPORT_ERRORS = load_backends(AttentionBackendEnum)
 
 
 @contextmanager

@@ -74,6 +74,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu import model_runner as v2_model_runner
 from vllm.v1.worker.utils import AttentionGroup, prepare_kernel_block_sizes
+from vllm_backends import load_backends
 
 from elastickv.integrations.vllm import preflight
 from elastickv.integrations.vllm.worker import geometry_v028, worker, worker_v028
@@ -121,18 +122,7 @@ NOT_MODELLED = {
 ONLY_ROW_FORMAT = {"FLASHINFER_MLA_SPARSE_SM120": "fp8_ds_mla", "TURBOQUANT": "turboquant_k8v4"}
 
 
-def _load_backends() -> tuple[dict[str, Any], dict[str, str]]:
-    classes: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    for member in AttentionBackendEnum:
-        try:
-            classes[member.name] = member.get_class()
-        except Exception as exc:  # any import failure is a finding to record
-            errors[member.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    return classes, errors
-
-
-BACKENDS, IMPORT_ERRORS = _load_backends()
+BACKENDS, IMPORT_ERRORS = load_backends(AttentionBackendEnum)
 
 
 @contextmanager

@@ -76,6 +76,7 @@ from vllm.v1.worker.utils import (
     prepare_kernel_block_sizes,
     select_common_block_size,
 )
+from vllm_backends import load_backends
 
 from elastickv.integrations.vllm import preflight
 from elastickv.integrations.vllm.worker import worker, worker_v032
@@ -96,18 +97,7 @@ NOT_IN_PREFLIGHT = {
 FP8_NAMES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
-def _load_backends() -> tuple[dict[str, Any], dict[str, str]]:
-    classes: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    for member in AttentionBackendEnum:
-        try:
-            classes[member.name] = member.get_class()
-        except Exception as exc:  # any import failure is a finding to record
-            errors[member.name] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
-    return classes, errors
-
-
-BACKENDS, IMPORT_ERRORS = _load_backends()
+BACKENDS, IMPORT_ERRORS = load_backends(AttentionBackendEnum)
 
 
 def layouts(backend: Any) -> list[str]:
