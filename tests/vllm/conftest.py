@@ -1,8 +1,8 @@
 """Run each real-vLLM contract file only in the virtual environment whose vLLM it checks.
 
 The ``_v032`` files need vLLM 0.32.x and the ``_v028`` files vLLM 0.28.x; the other version's
-files are not collected at all (never skipped file-wide in the matching venv). Without vLLM
-(the project venv) the whole folder is ignored.
+files are not collected at all (never skipped file-wide in the matching venv); the others run
+in both. Without vLLM (the project venv) the whole folder is ignored.
 """
 
 from __future__ import annotations
