@@ -4,6 +4,7 @@ tests/integration_vllm/test_vllm_plugin_v032_serve.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -65,6 +66,55 @@ def test_watchdog_stops_the_process_when_its_parent_is_killed() -> None:
             parent.wait()
 
 
+# An orphan whose shutdown never lets a Python thread run again: its SIGTERM handler calls
+# C's sleep holding the GIL (``PyDLL`` does not release it), as an interpreter finalising or
+# a C destructor would. It started a process of its own first (a worker, in vLLM).
+CHILD_STUCK = """
+import ctypes, os, signal, subprocess, sys, time
+from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
+def on_term(*_):
+    print("SIGTERM", flush=True)
+    ctypes.PyDLL(None).sleep(600)
+signal.signal(signal.SIGTERM, on_term)
+worker = subprocess.Popen(["sleep", "600"])
+ParentWatchdog(os.getppid(), interval=0.05, grace_s=0.5).start()
+print(worker.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_orphan_whose_threads_cannot_run_is_killed_with_its_processes() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, CHILD_STUCK],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started: list[psutil.Process] = []
+    try:
+        assert parent.stdout is not None and parent.stderr is not None
+        child = psutil.Process(int(parent.stdout.readline()))
+        started.append(child)
+        worker = psutil.Process(int(parent.stdout.readline()))  # printed once it watches
+        started.append(worker)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert parent.stdout.readline().strip() == "SIGTERM"
+        # Only the reaper can end them: the handler holds the GIL for 600 s.
+        _, alive = psutil.wait_procs([child, worker], timeout=HANG_S)
+        assert not alive, "the stuck orphan or its worker kept running"
+        reported = parent.stderr.read()
+        assert f"the engine core (pid {child.pid}) did not stop in" in reported, reported
+        assert "killed it and 1 process(es) under it" in reported, reported
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        for process in started:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+
+
 def test_watchdog_leaves_a_process_whose_parent_lives() -> None:
     from elastickv.integrations.vllm.engine.watchdog import ParentWatchdog
 
@@ -114,3 +164,18 @@ def test_only_plain_queues_are_changed() -> None:
 
     assert not tick_while_idle(Other(), lambda: None)
     assert not tick_while_idle(object(), lambda: None)
+
+
+def test_the_reaper_kills_nothing_that_exits_within_the_grace() -> None:
+    from elastickv.integrations.vllm.engine.reaper import reap
+
+    # Exited but not yet waited for (a zombie, as an engine core whose parent died is until
+    # its new parent reaps it): gone, nothing to kill, no wait for the grace.
+    exited = subprocess.Popen(["true"])
+    while psutil.Process(exited.pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.01)
+    began = time.monotonic()
+    assert reap(exited.pid, HANG_S) == []
+    assert time.monotonic() - began < HANG_S
+    exited.wait()
+    assert reap(exited.pid, HANG_S) == []  # no such process any more

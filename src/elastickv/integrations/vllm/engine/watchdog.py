@@ -5,7 +5,9 @@ it, and the orphaned engine core (and its worker) would keep running and keep it
 KV memory forever. :class:`ParentWatchdog` notices the parent's death (the process is
 reparented) within ``interval`` seconds and asks the engine core to stop the way a SIGTERM
 does, so vLLM shuts down cleanly and the scheduler unregisters from the ledger; if that does
-not finish within ``grace_s``, it kills the engine core's children and then itself.
+not finish within ``grace_s``, a small process it started first (:mod:`.reaper`) kills the
+engine core and every process under it. Not a thread of its own: no thread of a process runs
+while its interpreter finalises or a C call holds the GIL.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -56,11 +60,22 @@ class ParentWatchdog:
             "engine down so its KV memory returns",
             self.parent_pid,
         )
+        reaper = self._start_reaper()
         os.kill(os.getpid(), signal.SIGTERM)  # vLLM's own shutdown path
-        if self._stop.wait(self.grace_s):
+        if reaper is not None or self._stop.wait(self.grace_s):
             return
+        # No reaper could start: the same deadline from this thread, while it can run.
         logger.error("elastickv: the engine core did not stop in %.0f s; killing it", self.grace_s)
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def _start_reaper(self) -> subprocess.Popen[bytes] | None:
+        command = [sys.executable, "-m", "elastickv.integrations.vllm.engine.reaper"]
+        command += [str(os.getpid()), str(self.grace_s)]
+        try:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        except OSError as exc:
+            logger.error("elastickv: cannot start the engine core's reaper: %s", exc)
+            return None
