@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     killed = reap(pid, grace_s)
     if killed:
         print(
-            f"elastickv: the engine core (pid {pid}) did not stop in {grace_s:.0f} s after its "
+            f"elastickv: the engine core (pid {pid}) did not stop in {grace_s:g} s after its "
             f"parent died; killed it and {len(killed) - 1} process(es) under it",
             file=sys.stderr,
             flush=True,
