@@ -98,7 +98,7 @@ class _Waiting(list[Any]):
 
 
 def waiting_request(request_id: str, num_tokens: int) -> Any:
-    return SimpleNamespace(request_id=request_id, num_tokens=num_tokens)
+    return SimpleNamespace(request_id=request_id, num_tokens=num_tokens, num_computed_tokens=0)
 
 
 def scheduler_of(pool: Any, running: int, waiting: list[int], **fields: Any) -> Any:
@@ -428,6 +428,90 @@ def test_the_waiting_demand_follows_every_change_of_the_queue(
             assert made.allocator.forecast_blocks == want
     finally:
         made.close_elastic()
+
+
+def credit_of(handle: Any) -> PolicyFactory:
+    """A pool policy: credit in ``handle``'s ledger record."""
+
+    def policy(config: ElasticConfig, device: str) -> CreditPolicy:
+        return CreditPolicy(handle)
+
+    return policy
+
+
+STEADY_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "admit", "preempt", "finish", "grow", "none"]),
+        st.integers(1, 120),  # a new request's tokens
+        st.integers(0, 3),  # blocks a running request grows by; which request finishes
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=STEADY_STEPS)
+def test_a_steady_step_decides_as_a_counted_one(
+    steps: list[tuple[str, int, int]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A step that begins from the state the last one left (same allocator state, credit,
+    parked blocks, running and waiting counts) keeps that step's decision instead of counting
+    again: two pools driven alike, one made to count every step, hold the same credit,
+    forecast and free-block count after every step."""
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+    import elastickv.integrations.vllm.scheduler.block_pool as block_pool
+
+    folder = tmp_path_factory.mktemp("ledger")
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        open_ledger(directory=str(folder), total_bytes=256 * PAGE, utilization=1.0) as ledger,
+    ):
+        # No limit check or publication falls due between the two pools' steps.
+        patch.setattr(block_pool, "LIMIT_CHECK_INTERVAL_S", 3600.0)
+        patch.setattr(block_pool, "PUBLISH_INTERVAL_S", 3600.0)
+        handles = [ledger.register("steady"), ledger.register("counted")]
+        pools = [make_pool(48, None, hot_max_pages=2, policy=credit_of(h)) for h in handles]
+        steady, counted = pools
+        queues = [FCFSRequestQueue(), FCFSRequestQueue()]
+        schedulers = [scheduler_of(made, 0, [], max_running=4) for made in pools]
+        for scheduler, queue in zip(schedulers, queues, strict=True):
+            scheduler.waiting = queue
+        held: list[list[list[Any]]] = [[], []]  # each running request's blocks, per pool
+        try:
+            for step, (change, tokens, amount) in enumerate(steps):
+                for made, scheduler, queue, blocks in zip(
+                    pools, schedulers, queues, held, strict=True
+                ):
+                    if change == "add":
+                        queue.add_request(waiting_request(f"r{step}", tokens))
+                    elif change == "admit" and queue and len(scheduler.running) < 4:
+                        scheduler.running = [*scheduler.running, queue.pop_request()]
+                        blocks.append([])
+                    elif change == "preempt" and scheduler.running:
+                        queue.prepend_request(scheduler.running.pop())
+                        made.free_blocks(reversed(blocks.pop()))
+                    elif change == "finish" and scheduler.running:
+                        index = amount % len(scheduler.running)
+                        scheduler.running = [
+                            r for i, r in enumerate(scheduler.running) if i != index
+                        ]
+                        made.free_blocks(reversed(blocks.pop(index)))
+                    elif change == "grow" and blocks and amount <= made.get_num_free_blocks():
+                        blocks[-1].extend(made.get_new_blocks(amount))
+                    counted._steady_version = -1  # this one counts every step
+                    made.begin_step(scheduler)
+                    made.end_step(scheduler, SimpleNamespace())
+                    made.take_page_ops()
+                assert steady.credit.credit_bytes == counted.credit.credit_bytes
+                assert steady.allocator.forecast_blocks == counted.allocator.forecast_blocks
+                assert steady.get_num_free_blocks() == counted.get_num_free_blocks()
+                assert steady._short == counted._short
+        finally:
+            for made in pools:
+                made.close_elastic()
+            for handle in handles:
+                handle.close()
 
 
 def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:

@@ -121,6 +121,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._stalled_on: tuple[int, ...] | None = None
         self._before_step: tuple[int, ...] | None = None
         self._forecast = 0  # blocks the next step will likely take while requests wait
+        # What the last step whose credit was ample began from (see :meth:`begin_step`):
+        # the allocator's state version (-1: none) and vLLM's running and waiting counts.
+        self._steady_version = -1
+        self._steady_running = self._steady_queued = 0
         # :meth:`_waiting_blocks`' last sum and the queue state it was counted from (its
         # first request held, so another cannot take its identity).
         self._waiting_first: Any = None
@@ -152,8 +156,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         return answer
 
     def _forget(self) -> None:
-        """The parked blocks or the credit changed: the kept free count is stale."""
-        self._seen_free = -1
+        """The parked blocks or the credit changed: the kept free count is stale, and the
+        next step is not a steady one (see :meth:`begin_step`)."""
+        self._seen_free = self._steady_version = -1
 
     def get_usage(self) -> float:
         """vLLM's KV cache usage (its metrics and logs): blocks in use of all blocks, as native
@@ -182,12 +187,25 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if batch:
                 self.hand_over(batch)
         now = time.monotonic()
-        if now >= self._next_limit_check:
-            self.sync_limit()
         running = len(scheduler.running)
         queue = scheduler.waiting
         fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
         queued = _deque_len(queue) if fcfs else len(queue)
+        version = self.allocator.state_version
+        if (
+            version == self._steady_version
+            and running == self._steady_running
+            and queued == self._steady_queued
+            and now < self._next_limit_check
+            and now < self._next_publish
+        ):
+            # A steady step: the last one found the credit ample, and nothing its decision
+            # read has changed since (the allocator, the credit and the parked blocks, the
+            # running and waiting counts; no limit check or publication due), so it stands.
+            self._before_step = None
+            return
+        if now >= self._next_limit_check:
+            self.sync_limit()
         credit = self.credit
         if credit is not None and self._short and now < self._credit_retry_at:
             # Short since the ledger or the limit last refused credit, less than
@@ -236,6 +254,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._headroom = headroom
         # The state a step that may find nothing to schedule begins from (see note_step).
         self._before_step = self._stall_key(scheduler) if short and queued and not running else None
+        if credit is not None and not short:  # the next step may find it steady
+            self._steady_version = self.allocator.state_version
+            self._steady_running, self._steady_queued = running, queued
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
@@ -666,7 +687,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 continue
             if park and block.block_hash is not None:
                 parked[block_id] = None
-                self._seen_free = -1  # :meth:`_forget`, inlined
+                self._seen_free = self._steady_version = -1  # :meth:`_forget`, inlined
             else:
                 released.append(block_id)
         if not released:
