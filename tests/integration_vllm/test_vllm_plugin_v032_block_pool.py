@@ -441,7 +441,7 @@ def credit_of(handle: Any) -> PolicyFactory:
 
 STEADY_STEPS = st.lists(
     st.tuples(
-        st.sampled_from(["add", "admit", "preempt", "finish", "grow", "none"]),
+        st.sampled_from(["add", "admit", "preempt", "finish", "grow", "swap", "none"]),
         st.integers(1, 120),  # a new request's tokens
         st.integers(0, 3),  # blocks a running request grows by; which request finishes
     ),
@@ -455,9 +455,10 @@ def test_a_steady_step_decides_as_a_counted_one(
     steps: list[tuple[str, int, int]], tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """A step that begins from the state the last one left (same allocator state, credit,
-    parked blocks, running and waiting counts) keeps that step's decision instead of counting
-    again: two pools driven alike, one made to count every step, hold the same credit,
-    forecast and free-block count after every step."""
+    parked blocks, running and waiting counts, first waiting request) keeps that step's
+    decision instead of counting again: two pools driven alike, one made to count every
+    step, hold the same credit, forecast and free-block count after every step (a waiting
+    request aborted and another added between two steps included)."""
     from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
     import elastickv.integrations.vllm.scheduler.block_pool as block_pool
@@ -497,6 +498,9 @@ def test_a_steady_step_decides_as_a_counted_one(
                             r for i, r in enumerate(scheduler.running) if i != index
                         ]
                         made.free_blocks(reversed(blocks.pop(index)))
+                    elif change == "swap" and queue:  # the first one aborted, another added
+                        queue.remove_request(queue.peek_request())
+                        queue.add_request(waiting_request(f"s{step}", tokens))
                     elif change == "grow" and blocks and amount <= made.get_num_free_blocks():
                         blocks[-1].extend(made.get_new_blocks(amount))
                     counted._steady_version = -1  # this one counts every step

@@ -122,9 +122,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._before_step: tuple[int, ...] | None = None
         self._forecast = 0  # blocks the next step will likely take while requests wait
         # What the last step whose credit was ample began from (see :meth:`begin_step`):
-        # the allocator's state version (-1: none) and vLLM's running and waiting counts.
+        # the allocator's state version (-1: none), vLLM's running and waiting counts and
+        # its first waiting request (held, so another cannot take its identity).
         self._steady_version = -1
         self._steady_running = self._steady_queued = 0
+        self._steady_first: Any = None
         # :meth:`_waiting_blocks`' last sum and the queue state it was counted from (its
         # first request held, so another cannot take its identity).
         self._waiting_first: Any = None
@@ -191,17 +193,19 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         queue = scheduler.waiting
         fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
         queued = _deque_len(queue) if fcfs else len(queue)
-        version = self.allocator.state_version
+        first = (queue[0] if fcfs else queue.peek_request()) if queued else None
         if (
-            version == self._steady_version
+            self.allocator.state_version == self._steady_version
             and running == self._steady_running
             and queued == self._steady_queued
+            and first is self._steady_first
             and now < self._next_limit_check
             and now < self._next_publish
         ):
             # A steady step: the last one found the credit ample, and nothing its decision
             # read has changed since (the allocator, the credit and the parked blocks, the
-            # running and waiting counts; no limit check or publication due), so it stands.
+            # running and waiting counts, the first waiting request; no limit check or
+            # publication due), so it stands.
             self._before_step = None
             return
         if now >= self._next_limit_check:
@@ -257,6 +261,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if credit is not None and not short:  # the next step may find it steady
             self._steady_version = self.allocator.state_version
             self._steady_running, self._steady_queued = running, queued
+            self._steady_first = first
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
