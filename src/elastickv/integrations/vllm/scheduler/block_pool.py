@@ -193,6 +193,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         queue = scheduler.waiting
         fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
         queued = _deque_len(queue) if fcfs else len(queue)
+        # :func:`first_waiting`, inlined (the queue's kind and length are known here).
         first = (queue[0] if fcfs else queue.peek_request()) if queued else None
         if (
             self.allocator.state_version == self._steady_version
@@ -221,7 +222,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if queued:
                 room = scheduler.max_num_running_reqs - running
                 if room > 0:
-                    waiting = self._waiting_blocks(queue, room, queued)
+                    waiting = self._waiting_blocks(queue, room, queued, first)
             # While requests wait, the allocator keeps hot the pages the next step will
             # likely take: a block per running request, the prompts there is room to admit.
             forecast = running + waiting if queued else 0
@@ -304,7 +305,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if credit is not None and now >= self._credit_retry_at:
             self.sync_limit()
             queue = scheduler.waiting
-            waiting = self._waiting_blocks(queue, scheduler.max_num_running_reqs, len(queue))
+            queued = len(queue)
+            room = scheduler.max_num_running_reqs
+            waiting = self._waiting_blocks(queue, room, queued, first_waiting(queue, queued))
             self._move_credit(credit, scheduler, 0, waiting, now)
         if self._stall_key(scheduler) != key:
             self._stalled_on = None
@@ -314,7 +317,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def _stall_key(self, scheduler: Any) -> tuple[int, ...]:
         """What an empty schedule was made from: the requests (added, aborted, finished and
         not yet reported), the first waiting one, and the room the pool counts."""
-        first = scheduler.waiting.peek_request() if scheduler.waiting else None
+        first = first_waiting(scheduler.waiting, len(scheduler.waiting))
         credit = self.credit
         return (
             len(scheduler.requests),
@@ -330,10 +333,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
     def _committed_bytes(self) -> int:
         return self.allocator.stats().committed_bytes
 
-    def _waiting_blocks(self, waiting: Any, room: int, queued: int) -> int:
+    def _waiting_blocks(self, waiting: Any, room: int, queued: int, first: Any) -> int:
         """The blocks of the first ``room`` waiting requests (vLLM asks room for a full prompt
         before it admits one), a block to spare each; no more than vLLM's own free blocks.
-        ``queued``: the queue's length (vLLM's queues count in Python: the caller's count).
+        ``queued``: the queue's length (vLLM's queues count in Python: the caller's count);
+        ``first``: its first request (:func:`first_waiting`).
 
         An estimate of demand (credit to hold, pages to keep hot), asked once per step about
         a queue that mostly stays as it was: the sum is kept with the queue's length, its
@@ -343,7 +347,6 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if not queued:
             return 0
         free: int = self.free_block_queue.num_free_blocks
-        first = waiting[0] if isinstance(waiting, deque) else waiting.peek_request()
         if (
             first is self._waiting_first
             and queued == self._waiting_len
@@ -779,6 +782,14 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             "refusals": self.refusals,
             "pages_committed": stats.pages_committed,
         }
+
+
+def first_waiting(queue: Any, queued: int) -> Any:
+    """vLLM's first waiting request (None when ``queued``, the queue's length, is 0): its FCFS
+    queue (a deque) read by index, any other through ``peek_request``."""
+    if not queued:
+        return None
+    return queue[0] if isinstance(queue, deque) else queue.peek_request()
 
 
 def block_holders(manager: Any) -> tuple[dict[str, list[Any]], int] | None:
