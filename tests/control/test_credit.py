@@ -76,13 +76,20 @@ def test_a_lowered_limit_takes_credit_back_first(
         ledger.set_limit("a", 2 * MiB)
         assert policy.over_limit_bytes() == 2 * MiB  # 1 MiB committed + 3 MiB credit - 2 MiB
         assert not policy.limit_allows(2 * MiB)  # answered from the limit just read
+        assert policy.limit_room() == MiB  # 2 MiB less the 1 MiB committed
         assert policy.settle(4 * MiB) == MiB  # committed stays, credit shrinks to the limit
         assert policy.over_limit_bytes() == 0
         ledger.set_limit("a", MiB // 2)  # below what is committed: no credit at all
         assert policy.settle(MiB) == 0
+        assert policy.limit_room() == 0
         assert policy.over_limit_bytes() == MiB // 2
         with pytest.raises(ValueError, match="holds only"):
             handle.settle(8 * MiB, 0)  # more committed than the record holds: a bug
+        ledger.set_limit("a", None)
+        assert policy.settle(0) == 0 and policy.limit_room() is None  # only the ledger can say
+        monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
+        ledger.set_limit("a", 2 * MiB)
+        assert policy.limit_room() is None  # a view this old: only the ledger can say
 
 
 def test_a_dead_engines_credit_is_reclaimed(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from elastickv.control import open_ledger
@@ -113,6 +113,7 @@ def scheduler_of(pool: Any, running: int, waiting: list[int], **fields: Any) -> 
         max_num_scheduled_tokens=fields.get("budget", 64),
         max_num_running_reqs=fields.get("max_running", 8),
         requests={},
+        finished_req_ids=set(),
         kv_cache_manager=SimpleNamespace(watermark_blocks=0, coordinator=None),
     )
 
@@ -281,6 +282,39 @@ def test_credit_short_of_the_ample_demand_is_topped_up_once(
         try:
             made.begin_step(scheduler_of(made, 4, [], budget=16))
             assert made.credit is not None and made.credit.credit_bytes == 5 * PAGE
+        finally:
+            made.close_elastic()
+            handle.close()
+
+
+def test_the_room_a_limit_leaves_is_taken_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waiting prompts whose blocks exceed what the limit leaves: the pool takes that room as
+    credit on the first step (a prompt that fits it is admitted now), not after the retry
+    interval (that waited up to 20 ms whenever the limit's last view was fresh); with no
+    room left beyond its credit, it asks nothing."""
+    monkeypatch.setattr("elastickv.control.ledger.LIMIT_VIEW_NS", 3600 * 10**9)
+    with open_ledger(directory=str(tmp_path), total_bytes=256 * PAGE, utilization=1.0) as ledger:
+        handle = ledger.register("limited")
+        ledger.set_limit("limited", 6 * PAGE)  # the null block's page and 5
+        made = make_pool(48, None, policy=credit_of(handle))
+        try:
+            scheduler = scheduler_of(made, 0, [80, 80], budget=16)  # 6 blocks each, room for 5
+            made.begin_step(scheduler)
+            assert made.credit.credit_bytes == 5 * PAGE
+            assert made.get_num_free_blocks() == 5 and made._short
+            asks: list[int] = []
+            settle = made.credit.settle
+
+            def counted_settle(credit: int) -> int:
+                asks.append(credit)
+                return int(settle(credit))
+
+            monkeypatch.setattr(made.credit, "settle", counted_settle)
+            made._credit_retry_at = 0.0  # the retry falls due: nothing is left to ask for
+            made.begin_step(scheduler)
+            assert asks == [] and made.credit.credit_bytes == 5 * PAGE
         finally:
             made.close_elastic()
             handle.close()
@@ -511,6 +545,106 @@ def test_a_steady_step_decides_as_a_counted_one(
                 assert steady.allocator.forecast_blocks == counted.allocator.forecast_blocks
                 assert steady.get_num_free_blocks() == counted.get_num_free_blocks()
                 assert steady._short == counted._short
+        finally:
+            for made in pools:
+                made.close_elastic()
+            for handle in handles:
+                handle.close()
+
+
+def manager_with(holders: dict[str, list[Any]]) -> Any:
+    """vLLM's KV-cache manager as the pool reads it: its watermark and, for the admission
+    headroom, the blocks of each request (block size 16)."""
+    single = SimpleNamespace(req_to_blocks=holders, block_size=16)
+    return SimpleNamespace(
+        watermark_blocks=0, coordinator=SimpleNamespace(single_type_managers=[single])
+    )
+
+
+SHORT_STEPS = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "admit", "preempt", "finish", "grow", "decode", "none"]),
+        st.integers(1, 80),  # a new request's tokens
+        st.integers(0, 16),  # blocks a running request grows by, or tokens each decodes
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=SHORT_STEPS)
+def test_a_short_step_keeps_the_headroom_a_counted_one_would(
+    steps: list[tuple[str, int, int]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An engine short of credit within the retry interval only keeps the admission headroom
+    on its steps: two pools under the same limit driven alike (requests added, admitted,
+    preempted and finished, blocks taken, tokens decoded), one made to take the full path
+    every step, set the same watermark and count the same refusals after every step."""
+    from vllm.v1.core.sched.request_queue import FCFSRequestQueue
+
+    import elastickv.integrations.vllm.scheduler.block_pool as block_pool
+
+    folder = tmp_path_factory.mktemp("ledger")
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        open_ledger(directory=str(folder), total_bytes=256 * PAGE, utilization=1.0) as ledger,
+    ):
+        # No retry, limit check or publication falls due between the two pools' steps.
+        for name in ("CREDIT_RETRY_S", "LIMIT_CHECK_INTERVAL_S", "PUBLISH_INTERVAL_S"):
+            patch.setattr(block_pool, name, 3600.0)
+        handles = [ledger.register("short"), ledger.register("counted")]
+        for handle in handles:
+            ledger.set_limit(handle.name, 6 * PAGE)  # the null block's page and 5 blocks
+        pools = [make_pool(48, None, policy=credit_of(h)) for h in handles]
+        short, counted = pools
+        tables: list[dict[str, list[Any]]] = [{}, {}]
+        schedulers = [scheduler_of(made, 0, [], max_running=4, budget=16) for made in pools]
+        for scheduler, table in zip(schedulers, tables, strict=True):
+            scheduler.waiting = FCFSRequestQueue()
+            scheduler.kv_cache_manager = manager_with(table)
+        fast = 0
+        headrooms: list[int] = []
+        # Every example starts at the limit: one request running on two full blocks (its next
+        # token needs a third), two waiting.
+        start = [("add", 32, 0), ("admit", 0, 0), ("grow", 0, 2), ("add", 70, 0), ("add", 20, 0)]
+        try:
+            for step, (change, tokens, amount) in enumerate([*start, *steps]):
+                for made, scheduler, table in zip(pools, schedulers, tables, strict=True):
+                    queue, running = scheduler.waiting, scheduler.running
+                    if change == "add":
+                        queue.add_request(waiting_request(f"r{step}", tokens))
+                    elif change == "admit" and queue and len(running) < 4:
+                        admitted = queue.pop_request()
+                        scheduler.running = [*running, admitted]
+                        table[admitted.request_id] = []
+                    elif change in ("preempt", "finish") and running:
+                        index = len(running) - 1 if change == "preempt" else amount % len(running)
+                        gone = running[index]
+                        scheduler.running = [r for i, r in enumerate(running) if i != index]
+                        made.free_blocks(reversed(table.pop(gone.request_id)))
+                        if change == "preempt":
+                            queue.prepend_request(gone)
+                    elif change == "grow" and running and amount <= made.get_num_free_blocks():
+                        table[running[-1].request_id].extend(made.get_new_blocks(amount))
+                    elif change == "decode":
+                        for request in running:
+                            request.num_tokens += amount
+                    if made is counted:
+                        made._short_until = 0.0  # this one takes the full path every step
+                    elif made._short and time.monotonic() < made._short_until:
+                        fast += 1
+                    made.begin_step(scheduler)
+                    made.end_step(scheduler, SimpleNamespace())
+                    made.take_page_ops()
+                watermarks = [s.kv_cache_manager.watermark_blocks for s in schedulers]
+                assert watermarks[0] == watermarks[1]
+                headrooms.append(watermarks[0])
+                assert short.refusals == counted.refusals
+                assert short._short == counted._short
+                assert short.credit.credit_bytes == counted.credit.credit_bytes
+                assert short.get_num_free_blocks() == counted.get_num_free_blocks()
+            event(f"steps on the short path: {min(fast, 3)}+")
+            event(f"largest headroom: {max(headrooms)}")
         finally:
             for made in pools:
                 made.close_elastic()

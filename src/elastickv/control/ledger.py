@@ -964,6 +964,15 @@ class InstanceHandle:
         limit = self._limit_seen
         return limit < 0 or nbytes <= limit or not self._limit_view_current(LIMIT_VIEW_NS)
 
+    def limit_room(self, held: int) -> int | None:
+        """What this instance's limit leaves beyond ``held`` bytes (committed and credit),
+        from the limit its last ledger operation read, while that view is current as for
+        :meth:`limit_allows`; None when only the ledger can say (no limit, or an old view)."""
+        limit = self._limit_seen
+        if limit < 0 or not self._limit_view_current(LIMIT_VIEW_NS):
+            return None
+        return max(0, limit - held)
+
     def set_floor_bytes(self, nbytes: int) -> None:
         """Publish what this instance holds for its whole life (e.g. a KV cache's null block):
         ``set_limit`` then refuses limits below it, which could never be met."""

@@ -106,6 +106,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._next_limit_check = 0.0
         self._next_publish = 0.0
         self._credit_retry_at = 0.0
+        # While short of credit, before this time (the next retry, limit check or refusal
+        # line, whichever comes first) a step keeps the admission headroom only (see
+        # :meth:`begin_step`).
+        self._short_until = 0.0
         # Block ids freed since the last step (see :meth:`hand_over`); None: inside a step.
         self.free_batch: list[int] | None = None
         self._refusal_log = RefusalLog(self.registration.name if self.registration else "engine")
@@ -189,6 +193,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if batch:
                 self.hand_over(batch)
         now = time.monotonic()
+        if now < self._short_until and self._short:
+            # Short of credit since a refusal less than CREDIT_RETRY_S ago, and no limit
+            # check or refusal line due: the step stays short and asks nothing (as below);
+            # with requests running and waiting it only keeps the admission headroom.
+            running_requests = scheduler.running
+            queue = scheduler.waiting
+            if running_requests and (_deque_len(queue) if isinstance(queue, deque) else len(queue)):
+                self.refusals += 1
+                self._refusals_held += 1
+                headroom = self._headroom_for(scheduler, running_requests)
+                if headroom != self._headroom:
+                    self._set_headroom(scheduler, headroom)
+                self._before_step = None
+                return
         running = len(scheduler.running)
         queue = scheduler.waiting
         fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
@@ -238,31 +256,45 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                 self._move_credit(credit, scheduler, running, waiting, now)
                 short = self._short
         headroom = 0
+        self._short_until = 0.0
         if short:
             self.refusals += 1
             if queued and running:
-                table = self._holders
-                if table is None:
-                    table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
-                headroom = admission_headroom(table[0], table[1], scheduler.running)
+                headroom = self._headroom_for(scheduler, scheduler.running)
                 self._refusals_held += 1
                 if now >= self._refusal_log.next_log:
                     self._refusal_log.refused(
                         headroom + 1, self._committed_bytes, count=self._refusals_held
                     )
                     self._refusals_held = 0
+                if credit is not None:  # the steps before the next retry keep only this
+                    self._short_until = min(
+                        self._credit_retry_at, self._next_limit_check, self._refusal_log.next_log
+                    )
         if headroom != self._headroom:
-            manager = scheduler.kv_cache_manager
-            if self._watermark is None:
-                self._watermark = int(getattr(manager, "watermark_blocks", 0))
-            manager.watermark_blocks = self._watermark + headroom
-            self._headroom = headroom
+            self._set_headroom(scheduler, headroom)
         # The state a step that may find nothing to schedule begins from (see note_step).
         self._before_step = self._stall_key(scheduler) if short and queued and not running else None
         if credit is not None and not short:  # the next step may find it steady
             self._steady_version = self.allocator.state_version
             self._steady_running, self._steady_queued = running, queued
             self._steady_first = first
+
+    def _headroom_for(self, scheduler: Any, running: Any) -> int:
+        """The admission headroom ``running`` (vLLM's running requests) needs now
+        (:func:`admission_headroom`)."""
+        table = self._holders
+        if table is None:
+            table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
+        return admission_headroom(table[0], table[1], running)
+
+    def _set_headroom(self, scheduler: Any, headroom: int) -> None:
+        """vLLM's watermark: its own (read once) plus ``headroom`` blocks."""
+        manager = scheduler.kv_cache_manager
+        if self._watermark is None:
+            self._watermark = int(getattr(manager, "watermark_blocks", 0))
+        manager.watermark_blocks = self._watermark + headroom
+        self._headroom = headroom
 
     def end_step(self, scheduler: Any, output: Any) -> None:
         """After vLLM scheduled a step: its page operations ride with ``output`` to every
@@ -390,9 +422,10 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         far more than it goes back. Below it, the running requests' exact demand is counted
         and the ledger asked for the ample demand and half as much again (or what the limit
         last seen allows: the ample demand, else, when the credit is short of it, the exact
-        one), so that the next steps find the credit ample without counting. After a refusal
-        (the ledger's, or the limit last seen) the engine stays short, and asks nothing, for
-        ``CREDIT_RETRY_S``: an engine at its limit pays one loop per step at most."""
+        one, else all the limit leaves), so that the next steps find the credit ample without
+        counting. After a refusal (the ledger's, or the limit last seen) the engine stays
+        short, and asks nothing, for ``CREDIT_RETRY_S``: an engine at its limit pays one loop
+        per step at most."""
         have = credit.credit_bytes
         ready = self.allocator.warm_free_blocks + len(self._parked)
         budget_blocks = self._budget_blocks
@@ -433,10 +466,16 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if not credit.limit_allows(ask):
             ask = want
         if ask == want and not credit.limit_allows(want):
-            # The limit the ledger last showed says no: ask nothing (a limit raised since is
+            # The limit the ledger last showed leaves less than the exact demand: take what it
+            # leaves (whole pages), so that what fits in it is admitted now, not after the
+            # retry interval; with nothing more left, ask nothing (a limit raised since is
             # read by ``sync_limit`` within LIMIT_CHECK_INTERVAL_S).
-            self._credit_retry_at = now + CREDIT_RETRY_S
-            return
+            room = credit.limit_room() or 0
+            room -= room % self._page_bytes
+            if room <= have:
+                self._credit_retry_at = now + CREDIT_RETRY_S
+                return
+            ask = room
         granted = self._settle(credit, ask)
         self._short = granted < want
         if granted < ask:
@@ -575,7 +614,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         the ledger, and leaves the next scheduler step free to read it again, so a limit
         lowered just before a request arrives is applied before that request's blocks are
         placed."""
-        self._next_limit_check = 0.0
+        self._next_limit_check = self._short_until = 0.0
         try:
             return self.sync_limit()
         finally:
