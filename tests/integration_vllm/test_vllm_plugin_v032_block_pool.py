@@ -473,6 +473,41 @@ def credit_of(handle: Any) -> PolicyFactory:
     return policy
 
 
+def apply_change(
+    change: str,
+    step: int,
+    tokens: int,
+    amount: int,
+    made: Any,
+    scheduler: Any,
+    table: dict[str, list[Any]],
+) -> None:
+    """One change between two steps of the differential tests below, on ``made``'s
+    scheduler (up to 4 running) and ``table``, each running request's blocks by id."""
+    queue, running = scheduler.waiting, scheduler.running
+    if change == "add":
+        queue.add_request(waiting_request(f"r{step}", tokens))
+    elif change == "admit" and queue and len(running) < 4:
+        admitted = queue.pop_request()
+        scheduler.running = [*running, admitted]
+        table[admitted.request_id] = []
+    elif change in ("preempt", "finish") and running:
+        index = len(running) - 1 if change == "preempt" else amount % len(running)
+        gone = running[index]
+        scheduler.running = [r for i, r in enumerate(running) if i != index]
+        made.free_blocks(reversed(table.pop(gone.request_id)))
+        if change == "preempt":
+            queue.prepend_request(gone)
+    elif change == "swap" and queue:  # the first one aborted, another added
+        queue.remove_request(queue.peek_request())
+        queue.add_request(waiting_request(f"s{step}", tokens))
+    elif change == "grow" and running and amount <= made.get_num_free_blocks():
+        table[running[-1].request_id].extend(made.get_new_blocks(amount))
+    elif change == "decode":
+        for request in running:
+            request.num_tokens += amount
+
+
 STEADY_STEPS = st.lists(
     st.tuples(
         st.sampled_from(["add", "admit", "preempt", "finish", "grow", "swap", "none"]),
@@ -508,35 +543,14 @@ def test_a_steady_step_decides_as_a_counted_one(
         handles = [ledger.register("steady"), ledger.register("counted")]
         pools = [make_pool(48, None, hot_max_pages=2, policy=credit_of(h)) for h in handles]
         steady, counted = pools
-        queues = [FCFSRequestQueue(), FCFSRequestQueue()]
+        tables: list[dict[str, list[Any]]] = [{}, {}]  # each running request's blocks
         schedulers = [scheduler_of(made, 0, [], max_running=4) for made in pools]
-        for scheduler, queue in zip(schedulers, queues, strict=True):
-            scheduler.waiting = queue
-        held: list[list[list[Any]]] = [[], []]  # each running request's blocks, per pool
+        for scheduler in schedulers:
+            scheduler.waiting = FCFSRequestQueue()
         try:
             for step, (change, tokens, amount) in enumerate(steps):
-                for made, scheduler, queue, blocks in zip(
-                    pools, schedulers, queues, held, strict=True
-                ):
-                    if change == "add":
-                        queue.add_request(waiting_request(f"r{step}", tokens))
-                    elif change == "admit" and queue and len(scheduler.running) < 4:
-                        scheduler.running = [*scheduler.running, queue.pop_request()]
-                        blocks.append([])
-                    elif change == "preempt" and scheduler.running:
-                        queue.prepend_request(scheduler.running.pop())
-                        made.free_blocks(reversed(blocks.pop()))
-                    elif change == "finish" and scheduler.running:
-                        index = amount % len(scheduler.running)
-                        scheduler.running = [
-                            r for i, r in enumerate(scheduler.running) if i != index
-                        ]
-                        made.free_blocks(reversed(blocks.pop(index)))
-                    elif change == "swap" and queue:  # the first one aborted, another added
-                        queue.remove_request(queue.peek_request())
-                        queue.add_request(waiting_request(f"s{step}", tokens))
-                    elif change == "grow" and blocks and amount <= made.get_num_free_blocks():
-                        blocks[-1].extend(made.get_new_blocks(amount))
+                for made, scheduler, table in zip(pools, schedulers, tables, strict=True):
+                    apply_change(change, step, tokens, amount, made, scheduler, table)
                     counted._steady_version = -1  # this one counts every step
                     made.begin_step(scheduler)
                     made.end_step(scheduler, SimpleNamespace())
@@ -610,25 +624,7 @@ def test_a_short_step_keeps_the_headroom_a_counted_one_would(
         try:
             for step, (change, tokens, amount) in enumerate([*start, *steps]):
                 for made, scheduler, table in zip(pools, schedulers, tables, strict=True):
-                    queue, running = scheduler.waiting, scheduler.running
-                    if change == "add":
-                        queue.add_request(waiting_request(f"r{step}", tokens))
-                    elif change == "admit" and queue and len(running) < 4:
-                        admitted = queue.pop_request()
-                        scheduler.running = [*running, admitted]
-                        table[admitted.request_id] = []
-                    elif change in ("preempt", "finish") and running:
-                        index = len(running) - 1 if change == "preempt" else amount % len(running)
-                        gone = running[index]
-                        scheduler.running = [r for i, r in enumerate(running) if i != index]
-                        made.free_blocks(reversed(table.pop(gone.request_id)))
-                        if change == "preempt":
-                            queue.prepend_request(gone)
-                    elif change == "grow" and running and amount <= made.get_num_free_blocks():
-                        table[running[-1].request_id].extend(made.get_new_blocks(amount))
-                    elif change == "decode":
-                        for request in running:
-                            request.num_tokens += amount
+                    apply_change(change, step, tokens, amount, made, scheduler, table)
                     if made is counted:
                         made._short_until = 0.0  # this one takes the full path every step
                     elif made._short and time.monotonic() < made._short_until:

@@ -193,24 +193,18 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             if batch:
                 self.hand_over(batch)
         now = time.monotonic()
-        if now < self._short_until and self._short:
-            # Short of credit since a refusal less than CREDIT_RETRY_S ago, and no limit
-            # check or refusal line due: the step stays short and asks nothing (as below);
-            # with requests running and waiting it only keeps the admission headroom.
-            running_requests = scheduler.running
-            queue = scheduler.waiting
-            if running_requests and (_deque_len(queue) if isinstance(queue, deque) else len(queue)):
-                self.refusals += 1
-                self._refusals_held += 1
-                headroom = self._headroom_for(scheduler, running_requests)
-                if headroom != self._headroom:
-                    self._set_headroom(scheduler, headroom)
-                self._before_step = None
-                return
-        running = len(scheduler.running)
         queue = scheduler.waiting
         fcfs = isinstance(queue, deque)  # vLLM's FCFS queue: its ``__len__`` is Python's
         queued = _deque_len(queue) if fcfs else len(queue)
+        if now < self._short_until and self._short and queued and scheduler.running:
+            # Short of credit since a refusal less than CREDIT_RETRY_S ago, and no limit
+            # check or refusal line due: the step stays short and asks nothing (as below);
+            # with requests running and waiting it only keeps the admission headroom.
+            self.refusals += 1
+            self._keep_headroom(scheduler)
+            self._before_step = None
+            return
+        running = len(scheduler.running)
         # :func:`first_waiting`, inlined (the queue's kind and length are known here).
         first = (queue[0] if fcfs else queue.peek_request()) if queued else None
         if (
@@ -260,8 +254,7 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         if short:
             self.refusals += 1
             if queued and running:
-                headroom = self._headroom_for(scheduler, scheduler.running)
-                self._refusals_held += 1
+                headroom = self._keep_headroom(scheduler)
                 if now >= self._refusal_log.next_log:
                     self._refusal_log.refused(
                         headroom + 1, self._committed_bytes, count=self._refusals_held
@@ -280,13 +273,18 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             self._steady_running, self._steady_queued = running, queued
             self._steady_first = first
 
-    def _headroom_for(self, scheduler: Any, running: Any) -> int:
-        """The admission headroom ``running`` (vLLM's running requests) needs now
-        (:func:`admission_headroom`)."""
+    def _keep_headroom(self, scheduler: Any) -> int:
+        """A step short of credit with requests running and waiting: one refusal held for the
+        log, and vLLM's watermark set to keep the admission headroom its running requests
+        need now (:func:`admission_headroom`), which is returned."""
+        self._refusals_held += 1
         table = self._holders
         if table is None:
             table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
-        return admission_headroom(table[0], table[1], running)
+        headroom = admission_headroom(table[0], table[1], scheduler.running)
+        if headroom != self._headroom:
+            self._set_headroom(scheduler, headroom)
+        return headroom
 
     def _set_headroom(self, scheduler: Any, headroom: int) -> None:
         """vLLM's watermark: its own (read once) plus ``headroom`` blocks."""
