@@ -349,7 +349,7 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
     holds one block for every running request whose next token needs a new block, so a limit
     that holds exactly N prompts does not admit N that cannot grow; vLLM's own watermark is
     kept under it."""
-    from elastickv.integrations.vllm.scheduler.block_pool import admission_headroom, block_holders
+    from elastickv.integrations.vllm.scheduler.block_pool import block_holders, headroom_and_slack
 
     made = make_pool(32, 6)  # null + 5 pages
     try:
@@ -373,7 +373,7 @@ def test_admission_keeps_headroom_while_the_credit_binds(tmp_path: Path) -> None
         assert made.get_num_free_blocks() == 3  # the budget binds, not vLLM's 29 free
         assert manager.watermark_blocks == 1 + 1  # "a" needs a block next
         assert block_holders(manager) == (holders, 16)
-        assert admission_headroom(holders, 16, requests) == 1
+        assert headroom_and_slack(holders, 16, requests) == (1, 8)  # "b" has 8 tokens left
         assert block_holders(SimpleNamespace()) is None  # internals not as expected: none
         roomy = make_pool(32, None)
         try:
@@ -498,6 +498,9 @@ def apply_change(
         made.free_blocks(reversed(table.pop(gone.request_id)))
         if change == "preempt":
             queue.prepend_request(gone)
+    elif change == "leave" and running:  # its blocks still another request's: none freed
+        scheduler.running = running[:-1]
+        del table[running[-1].request_id]
     elif change == "swap" and queue:  # the first one aborted, another added
         queue.remove_request(queue.peek_request())
         queue.add_request(waiting_request(f"s{step}", tokens))
@@ -580,7 +583,7 @@ def manager_with(holders: dict[str, list[Any]]) -> Any:
 
 SHORT_STEPS = st.lists(
     st.tuples(
-        st.sampled_from(["add", "admit", "preempt", "finish", "grow", "decode", "none"]),
+        st.sampled_from(["add", "admit", "preempt", "finish", "leave", "grow", "decode", "none"]),
         st.integers(1, 80),  # a new request's tokens
         st.integers(0, 16),  # blocks a running request grows by, or tokens each decodes
     ),
@@ -589,26 +592,46 @@ SHORT_STEPS = st.lists(
 
 
 @settings(max_examples=40, deadline=None)
-@given(steps=SHORT_STEPS)
+@given(steps=SHORT_STEPS, spec=st.integers(0, 3))
+# The running request (2 full blocks) takes a third, then decodes 4 tokens a step with 3
+# speculative tokens: it needs a fourth block 4 steps later, not 16.
+@example(steps=[("grow", 0, 1), *[("decode", 0, 4)] * 4, ("none", 0, 0)], spec=3)
+# It leaves running with its blocks still held (shared with another request): no block
+# moves, and the headroom it took goes; then also with another admitted in its place.
+@example(steps=[("leave", 0, 0), ("none", 0, 0)], spec=0)
+@example(steps=[("admit", 1, 0), ("preempt", 1, 0), ("leave", 1, 0), ("admit", 1, 0)], spec=0)
 def test_a_short_step_keeps_the_headroom_a_counted_one_would(
-    steps: list[tuple[str, int, int]], tmp_path_factory: pytest.TempPathFactory
+    steps: list[tuple[str, int, int]], spec: int, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """An engine short of credit within the retry interval only keeps the admission headroom
-    on its steps: two pools under the same limit driven alike (requests added, admitted,
-    preempted and finished, blocks taken, tokens decoded), one made to take the full path
-    every step, set the same watermark and count the same refusals after every step."""
+    on its steps, and counts it again only when a running request may have filled its blocks
+    since the last count: two pools under the same limit driven alike (requests added,
+    admitted, preempted and finished, blocks taken, up to 1 + ``spec`` tokens decoded a step
+    with ``spec`` speculative tokens), one made to take the full path and count every step,
+    set the same watermark and count the same refusals after every step."""
     from vllm.v1.core.sched.request_queue import FCFSRequestQueue
 
     import elastickv.integrations.vllm.scheduler.block_pool as block_pool
 
     folder = tmp_path_factory.mktemp("ledger")
+    counts: list[int] = [0, 0]  # counts taken by each pool, told apart by their tables
+    count_for = block_pool.headroom_and_slack
+
+    def counting(holders: dict[str, list[Any]], size: int, running: Any) -> tuple[int, int]:
+        counts[holders is tables[1]] += 1
+        return count_for(holders, size, running)
+
     with (
         pytest.MonkeyPatch.context() as patch,
         open_ledger(directory=str(folder), total_bytes=256 * PAGE, utilization=1.0) as ledger,
     ):
-        # No retry, limit check or publication falls due between the two pools' steps.
+        # No retry, limit check or publication falls due between the two pools' steps, and
+        # the limit each saw stays current (else a slow step sends one, not the other, to
+        # the ledger, which then grants it another credit).
         for name in ("CREDIT_RETRY_S", "LIMIT_CHECK_INTERVAL_S", "PUBLISH_INTERVAL_S"):
             patch.setattr(block_pool, name, 3600.0)
+        patch.setattr("elastickv.control.ledger.LIMIT_VIEW_NS", 3600 * 10**9)
+        patch.setattr(block_pool, "headroom_and_slack", counting)
         handles = [ledger.register("short"), ledger.register("counted")]
         for handle in handles:
             ledger.set_limit(handle.name, 6 * PAGE)  # the null block's page and 5 blocks
@@ -619,6 +642,7 @@ def test_a_short_step_keeps_the_headroom_a_counted_one_would(
         for scheduler, table in zip(schedulers, tables, strict=True):
             scheduler.waiting = FCFSRequestQueue()
             scheduler.kv_cache_manager = manager_with(table)
+            scheduler.num_spec_tokens = spec
         fast = 0
         headrooms: list[int] = []
         # Every example starts at the limit: one request running on two full blocks (its next
@@ -626,10 +650,13 @@ def test_a_short_step_keeps_the_headroom_a_counted_one_would(
         start = [("add", 32, 0), ("admit", 0, 0), ("grow", 0, 2), ("add", 70, 0), ("add", 20, 0)]
         try:
             for step, (change, tokens, amount) in enumerate([*start, *steps]):
+                if change == "decode":
+                    amount = min(amount, 1 + spec)  # a step's tokens: one and the accepted
                 for made, scheduler, table in zip(pools, schedulers, tables, strict=True):
                     apply_change(change, step, tokens, amount, made, scheduler, table)
                     if made is counted:
                         made._short_until = 0.0  # this one takes the full path every step
+                        made._holding_until = -1  # and counts the headroom every step
                     elif made._short and time.monotonic() < made._short_until:
                         fast += 1
                     made.begin_step(scheduler)
@@ -644,11 +671,82 @@ def test_a_short_step_keeps_the_headroom_a_counted_one_would(
                 assert short.get_num_free_blocks() == counted.get_num_free_blocks()
             event(f"steps on the short path: {min(fast, 3)}+")
             event(f"largest headroom: {max(headrooms)}")
+            event(f"counts kept: {min(counts[1] - counts[0], 3)}+")
         finally:
             for made in pools:
                 made.close_elastic()
             for handle in handles:
                 handle.close()
+
+
+BENCH_SCHEDULER = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scheduler.py"
+
+
+def test_vllms_own_scheduler_at_the_limit_gets_the_headroom_a_count_gives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.32's real ``Scheduler`` (built as ``bench_scheduler.py`` builds it: the tiny
+    model's config, elastickv's hooks, a real ledger) at a limit of 512 KiB with 8 running:
+    on every step short of credit, the admission headroom the pool keeps equals a fresh
+    count over the running requests, though most steps keep the last count. What vLLM does
+    between two steps (a token per running request, blocks taken, preemptions, finished
+    requests) is what the kept count's rules assume."""
+    import importlib.util
+
+    from vllm.v1.core import kv_cache_coordinator
+    from vllm.v1.core.sched import scheduler as vllm_scheduler
+
+    import elastickv.integrations.vllm.scheduler.block_pool as block_pool
+
+    spec = importlib.util.spec_from_file_location("bench_scheduler_under_test", BENCH_SCHEDULER)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # The hooks the benchmark installs go when the test ends.
+    monkeypatch.setattr(kv_cache_coordinator, "BlockPool", kv_cache_coordinator.BlockPool)
+    for name in ("schedule", "shutdown"):
+        monkeypatch.setattr(vllm_scheduler.Scheduler, name, getattr(vllm_scheduler.Scheduler, name))
+    budget = 512 << 10
+    for key, value in {
+        "ELASTICKV": "1",
+        "ELASTICKV_VIRTUAL_CAPACITY": str(bench.KV_CACHE_BYTES),
+        "ELASTICKV_BUDGET": str(budget),
+        "ELASTICKV_PAGE_SIZE": str(bench.LIMIT_PAGE_BYTES),
+        "ELASTICKV_LEDGER_DIR": str(tmp_path),
+    }.items():
+        monkeypatch.setenv(key, value)
+    args = SimpleNamespace(
+        model="tiny-llama", requests=48, concurrency=8, max_tokens=64,
+        kv_cache_bytes=bench.KV_CACHE_BYTES, budget=budget,
+    )  # fmt: skip
+    scheduler = bench.build_scheduler(args, True)
+    made = scheduler.kv_cache_manager.block_pool
+    assert isinstance(made, block_pool.ElasticBlockPool)
+    keep = block_pool.ElasticBlockPool._keep_headroom
+    count_for = block_pool.headroom_and_slack
+    checked: list[int] = []  # the headroom of each step short of credit
+    counts: list[int] = []  # the pool's own counts
+
+    def keep_and_check(pool: Any, scheduler: Any) -> int:
+        headroom: int = keep(pool, scheduler)
+        holders, size = pool._holders
+        assert headroom == count_for(holders, size, scheduler.running)[0]
+        checked.append(headroom)
+        return headroom
+
+    def counting(holders: dict[str, list[Any]], size: int, running: Any) -> tuple[int, int]:
+        counts.append(1)
+        return count_for(holders, size, running)
+
+    monkeypatch.setattr(block_pool.ElasticBlockPool, "_keep_headroom", keep_and_check)
+    monkeypatch.setattr(block_pool, "headroom_and_slack", counting)
+    try:
+        found = bench.run_pass(scheduler, bench.prompt_token_ids(args.requests, bench.VOCAB), args)
+    finally:
+        scheduler.shutdown()
+    assert found["preempted"] > 0  # the limit binds
+    assert max(checked) > 0  # a running request needed a block while others waited
+    assert len(counts) < len(checked) // 2, (len(counts), len(checked))  # most steps keep it
 
 
 def test_pages_freed_while_requests_wait_stay_hot_until_the_queue_empties() -> None:
