@@ -89,7 +89,11 @@ def test_a_lowered_limit_takes_credit_back_first(
         assert policy.settle(0) == 0 and policy.limit_room() is None  # only the ledger can say
         monkeypatch.setattr(ledger_module, "LIMIT_VIEW_NS", 0)
         ledger.set_limit("a", 2 * MiB)
+        assert policy.settle(0) == 0  # reads the new limit (and its revision)
         assert policy.limit_room() is None  # a view this old: only the ledger can say
+        assert policy.limit_room(max_age_ns=60 * 10**9) == MiB  # trusted longer: 2 MiB - 1 MiB
+        ledger.set_limit("a", 3 * MiB)
+        assert policy.limit_room(max_age_ns=60 * 10**9) == 2 * MiB  # the limit set since
 
 
 def test_a_dead_engines_credit_is_reclaimed(tmp_path: Path) -> None:

@@ -320,6 +320,54 @@ def test_the_room_a_limit_leaves_is_taken_at_once(
             handle.close()
 
 
+def test_an_engine_holding_its_whole_limit_asks_the_ledger_again_only_when_it_may_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts wait beyond a limit whose room the credit already holds: the retries ask the
+    ledger nothing while the limit last seen is under FULL_LIMIT_VIEW_NS old, though the
+    20 ms view the rest of the credit path trusts has aged (each of them asked before); a
+    limit raised meanwhile is taken at the next retry, and a view older than that asks."""
+    import elastickv.integrations.vllm.scheduler.block_pool as block_pool
+
+    monkeypatch.setattr("elastickv.control.ledger.LIMIT_VIEW_NS", 0)  # always aged
+    monkeypatch.setattr(block_pool, "FULL_LIMIT_VIEW_NS", 3600 * 10**9)
+    with open_ledger(directory=str(tmp_path), total_bytes=256 * PAGE, utilization=1.0) as ledger:
+        handle = ledger.register("limited")
+        ledger.set_limit("limited", 6 * PAGE)  # the null block's page and 5
+        made = make_pool(48, None, policy=credit_of(handle))
+        try:
+            scheduler = scheduler_of(made, 0, [80, 80], budget=16)  # 6 blocks each
+            made.begin_step(scheduler)
+            assert made.credit.credit_bytes == 5 * PAGE and made._short
+            asks: list[int] = []
+            settle = made.credit.settle
+
+            def counted_settle(credit: int) -> int:
+                asks.append(credit)
+                return int(settle(credit))
+
+            monkeypatch.setattr(made.credit, "settle", counted_settle)
+
+            def retry() -> None:
+                made._credit_retry_at = made._short_until = 0.0  # the retry falls due
+                made.begin_step(scheduler)
+
+            for _ in range(3):
+                retry()
+            assert asks == [] and made.credit.credit_bytes == 5 * PAGE
+            ledger.set_limit("limited", 8 * PAGE)  # raised: a new revision
+            retry()
+            assert len(asks) == 1 and made.credit.credit_bytes == 7 * PAGE
+            retry()
+            assert len(asks) == 1  # all of the new limit held
+            monkeypatch.setattr(block_pool, "FULL_LIMIT_VIEW_NS", 0)
+            retry()
+            assert len(asks) == 2 and made.credit.credit_bytes == 7 * PAGE
+        finally:
+            made.close_elastic()
+            handle.close()
+
+
 def test_blocks_freed_after_the_last_step_go_back_when_the_engine_idles(tmp_path: Path) -> None:
     """The blocks freed while a step's output is processed wait in a batch for the next step;
     when none comes (the engine's last request finished), going idle hands them over: their

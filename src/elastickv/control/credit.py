@@ -86,10 +86,11 @@ class CreditPolicy(CapacityPolicy):
         showed (see :meth:`InstanceHandle.limit_allows`); no lock round trip."""
         return self._handle.limit_allows(self._committed + credit)
 
-    def limit_room(self) -> int | None:
+    def limit_room(self, max_age_ns: int | None = None) -> int | None:
         """The most credit the limit the ledger last showed leaves beyond the committed bytes
-        (see :meth:`InstanceHandle.limit_room`); None when only the ledger can say."""
-        return self._handle.limit_room(self._committed)
+        (see :meth:`InstanceHandle.limit_room`, and its ``max_age_ns``); None when only the
+        ledger can say."""
+        return self._handle.limit_room(self._committed, max_age_ns)
 
     def over_limit_bytes(self) -> int:
         """How much this engine holds (committed and credit) above its live limit."""

@@ -964,12 +964,14 @@ class InstanceHandle:
         limit = self._limit_seen
         return limit < 0 or nbytes <= limit or not self._limit_view_current(LIMIT_VIEW_NS)
 
-    def limit_room(self, held: int) -> int | None:
+    def limit_room(self, held: int, max_age_ns: int | None = None) -> int | None:
         """What this instance's limit leaves beyond ``held`` bytes (committed and credit),
         from the limit its last ledger operation read, while that view is current as for
-        :meth:`limit_allows`; None when only the ledger can say (no limit, or an old view)."""
+        :meth:`limit_allows` (under ``max_age_ns`` old when given, else ``LIMIT_VIEW_NS``);
+        None when only the ledger can say (no limit, or an old view)."""
         limit = self._limit_seen
-        if limit < 0 or not self._limit_view_current(LIMIT_VIEW_NS):
+        age = LIMIT_VIEW_NS if max_age_ns is None else max_age_ns
+        if limit < 0 or not self._limit_view_current(age):
             return None
         return max(0, limit - held)
 

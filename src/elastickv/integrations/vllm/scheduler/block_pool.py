@@ -56,6 +56,10 @@ PUBLISH_INTERVAL_S = 0.25
 # After the ledger refused credit for the device budget (other engines hold it), ask again at
 # most this often: memory another engine released is seen this late.
 CREDIT_RETRY_S = 0.02
+# An engine that holds all its limit leaves (less than a page more) asks the ledger again only
+# once the limit it last saw is this old: a changed limit shows at once through its revision,
+# so only a ledger reset needs the ask, and publishing finds one as late.
+FULL_LIMIT_VIEW_NS = int(PUBLISH_INTERVAL_S * 1e9)
 # The room :func:`headroom_and_slack` reports when no running request has any left.
 UNBOUNDED_ROOM = 1 << 62
 _deque_len = deque.__len__
@@ -504,18 +508,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         self._short = True
         if now < self._credit_retry_at:
             return
-        if not credit.limit_allows(ask):
-            ask = want
-        if ask == want and not credit.limit_allows(want):
-            # The limit the ledger last showed leaves less than the exact demand: take what it
-            # leaves (whole pages), so that what fits in it is admitted now, not after the
-            # retry interval; with nothing more left, ask nothing (a limit raised since is
-            # read by ``sync_limit`` within LIMIT_CHECK_INTERVAL_S).
-            room = credit.limit_room() or 0
-            room -= room % self._page_bytes
+        room = credit.limit_room(FULL_LIMIT_VIEW_NS)
+        if room is not None:
+            room -= room % self._page_bytes  # whole pages
             if room <= have:
+                # The credit holds all the limit leaves, as the ledger showed it less than
+                # FULL_LIMIT_VIEW_NS ago, its revision unchanged since (a limit changed since
+                # is seen at the next retry): nothing to ask for.
                 self._credit_retry_at = now + CREDIT_RETRY_S
                 return
+        if not credit.limit_allows(ask):
+            ask = want
+        if ask == want and room is not None and not credit.limit_allows(want):
+            # The limit the ledger last showed leaves less than the exact demand: take what it
+            # leaves, so that what fits in it is admitted now, not after the retry interval.
             ask = room
         granted = self._settle(credit, ask)
         self._short = granted < want
