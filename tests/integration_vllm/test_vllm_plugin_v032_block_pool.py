@@ -287,6 +287,19 @@ def test_credit_short_of_the_ample_demand_is_topped_up_once(
             handle.close()
 
 
+def record_asks(made: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The credit ``made`` asks the ledger for from now on, one entry per ``settle``."""
+    asks: list[int] = []
+    settle = made.credit.settle
+
+    def counted_settle(credit: int) -> int:
+        asks.append(credit)
+        return int(settle(credit))
+
+    monkeypatch.setattr(made.credit, "settle", counted_settle)
+    return asks
+
+
 def test_the_room_a_limit_leaves_is_taken_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -304,14 +317,7 @@ def test_the_room_a_limit_leaves_is_taken_at_once(
             made.begin_step(scheduler)
             assert made.credit.credit_bytes == 5 * PAGE
             assert made.get_num_free_blocks() == 5 and made._short
-            asks: list[int] = []
-            settle = made.credit.settle
-
-            def counted_settle(credit: int) -> int:
-                asks.append(credit)
-                return int(settle(credit))
-
-            monkeypatch.setattr(made.credit, "settle", counted_settle)
+            asks = record_asks(made, monkeypatch)
             made._credit_retry_at = 0.0  # the retry falls due: nothing is left to ask for
             made.begin_step(scheduler)
             assert asks == [] and made.credit.credit_bytes == 5 * PAGE
@@ -339,14 +345,7 @@ def test_an_engine_holding_its_whole_limit_asks_the_ledger_again_only_when_it_ma
             scheduler = scheduler_of(made, 0, [80, 80], budget=16)  # 6 blocks each
             made.begin_step(scheduler)
             assert made.credit.credit_bytes == 5 * PAGE and made._short
-            asks: list[int] = []
-            settle = made.credit.settle
-
-            def counted_settle(credit: int) -> int:
-                asks.append(credit)
-                return int(settle(credit))
-
-            monkeypatch.setattr(made.credit, "settle", counted_settle)
+            asks = record_asks(made, monkeypatch)
 
             def retry() -> None:
                 made._credit_retry_at = made._short_until = 0.0  # the retry falls due

@@ -58,7 +58,7 @@ PUBLISH_INTERVAL_S = 0.25
 CREDIT_RETRY_S = 0.02
 # An engine that holds all its limit leaves (less than a page more) asks the ledger again only
 # once the limit it last saw is this old: a changed limit shows at once through its revision,
-# so only a ledger reset needs the ask, and publishing finds one as late.
+# so the ask only finds a ledger that was reset, as late as an engine that publishes does.
 FULL_LIMIT_VIEW_NS = int(PUBLISH_INTERVAL_S * 1e9)
 # The room :func:`headroom_and_slack` reports when no running request has any left.
 UNBOUNDED_ROOM = 1 << 62
