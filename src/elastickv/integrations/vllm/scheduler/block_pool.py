@@ -127,11 +127,11 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
         # and the most tokens a running request gains from one step to the next.
         self._holders: tuple[dict[str, list[Any]], int] | None = None
         self._growth = 1
-        # Steps begun (see :meth:`_keep_headroom`), the admission headroom last counted, the
-        # allocator state, running count and last running request (held, so another cannot
-        # take its identity) it was counted at, and the last step it stands for (-1: none).
+        # Steps begun (see :meth:`_keep_headroom`); the allocator state, running count and
+        # last running request (held, so another cannot take its identity) the headroom was
+        # last counted at, and the last step the count stands for (-1: count again).
         self._steps = 0
-        self._holding = self._holding_version = self._holding_running = 0
+        self._holding_version = self._holding_running = 0
         self._holding_last: Any = None
         self._holding_until = -1
         self._short = False  # the ledger gave less credit than a step needed
@@ -282,8 +282,9 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
                     self._short_until = min(
                         self._credit_retry_at, self._next_limit_check, self._refusal_log.next_log
                     )
-        if headroom != self._headroom:
+        if headroom != self._headroom:  # back to vLLM's own watermark
             self._set_headroom(scheduler, headroom)
+            self._holding_until = -1  # the watermark no longer holds the last count
         # The state a step that may find nothing to schedule begins from (see note_step).
         self._before_step = self._stall_key(scheduler) if short and queued and not running else None
         if credit is not None and not short:  # the next step may find it steady
@@ -313,22 +314,20 @@ class ElasticBlockPool(BlockPool):  # type: ignore[misc]
             and len(running) == self._holding_running
             and running[-1] is self._holding_last
         ):
-            headroom = self._holding
-        else:
-            table = self._holders
-            if table is None:
-                table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
-                spec = getattr(scheduler, "num_spec_tokens", None)
-                # Unknown speculation: no count stands past its step.
-                self._growth = 1 + spec if isinstance(spec, int) else UNBOUNDED_ROOM
-            headroom, slack = headroom_and_slack(table[0], table[1], running)
-            self._holding = headroom
-            self._holding_version = version
-            self._holding_running = len(running) or -1  # none running: count every time
-            self._holding_last = running[-1] if running else None
-            # A request with ``slack`` tokens of room left fills its blocks after
-            # ceil(slack / growth) steps at the earliest: the count stands until then.
-            self._holding_until = self._steps + (slack - 1) // self._growth
+            return self._headroom  # the watermark holds the last count
+        table = self._holders
+        if table is None:
+            table = self._holders = block_holders(scheduler.kv_cache_manager) or ({}, 1)
+            spec = getattr(scheduler, "num_spec_tokens", None)
+            # Unknown speculation: no count stands past its step.
+            self._growth = 1 + spec if isinstance(spec, int) else UNBOUNDED_ROOM
+        headroom, slack = headroom_and_slack(table[0], table[1], running)
+        self._holding_version = version
+        self._holding_running = len(running) or -1  # none running: count every time
+        self._holding_last = running[-1] if running else None
+        # A request with ``slack`` tokens of room left fills its blocks after
+        # ceil(slack / growth) steps at the earliest: the count stands until then.
+        self._holding_until = self._steps + (slack - 1) // self._growth
         if headroom != self._headroom:
             self._set_headroom(scheduler, headroom)
         return headroom
